@@ -1,0 +1,92 @@
+"""``LoRAConfig`` and ``init_adapter``: a fresh adapter initialised exactly as PEFT does."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._adapter import Adapter, LoRA
+from ._modules import linear_spec, match_targets
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """What to adapt and how.
+
+    Attributes:
+        r: rank, >= 1.
+        alpha: scale numerator: scale = alpha / r (alpha / sqrt(r) with ``rslora``).
+        targets: module-name suffixes (list) or a regex / ``"all-linear"`` (str), as PEFT's
+            ``target_modules``.
+        dropout: LoRA dropout probability on the adapter's input, in [0, 1).
+        rslora: rank-stabilised scaling (Kalajdzievski 2023).
+    """
+
+    r: int
+    alpha: float
+    targets: str | Sequence[str]
+    dropout: float = 0.0
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"LoRAConfig.r must be an int >= 1, got {self.r!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool):
+            raise TypeError(f"LoRAConfig.alpha must be a number, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.targets, str):
+            if not self.targets:
+                raise ValueError("LoRAConfig.targets is empty")
+        else:
+            targets = tuple(self.targets)
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"LoRAConfig.targets must be non-empty module names, got {self.targets!r}")
+            object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def init_adapter(
+    model: nn.Module,
+    config: LoRAConfig,
+    *,
+    seed: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Adapter:
+    """A new Adapter for ``model``'s targeted linear layers, initialised as PEFT does.
+
+    A (r, in) is kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B (out, r) is
+    zero, so the adapted model starts equal to the base.
+
+    Args:
+        model: any module tree; targets are matched against ``model.named_modules()``.
+        config: the LoRAConfig.
+        seed: seeds a private generator (the global RNG is left alone); None uses the global RNG.
+        dtype: factor dtype; default float32 (float64 for a float64 model), like PEFT's fp32
+            adapters: the op casts them to the activation dtype on the fly.
+        device: default: each module's weight device.
+    """
+    if not isinstance(config, LoRAConfig):
+        raise TypeError(f"init_adapter needs a fastaf.LoRAConfig, got {type(config).__name__}")
+    modules = dict(model.named_modules())
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    loras = {}
+    for path in match_targets(model, config.targets):
+        spec = linear_spec(modules[path])
+        weight = modules[path].weight
+        dt = dtype or (torch.float64 if weight.dtype == torch.float64 else torch.float32)
+        A = torch.empty(config.r, spec.in_features, dtype=torch.float32)
+        # PEFT: nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5)); drawn on the CPU so a
+        # seed gives the same adapter on every device.
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+        dev = device if device is not None else weight.device
+        B = torch.zeros(spec.out_features, config.r, dtype=dt, device=dev)
+        loras[path] = LoRA(A.to(device=dev, dtype=dt), B, config.scale, config.dropout)
+    return Adapter(loras)

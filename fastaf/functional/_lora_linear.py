@@ -1,0 +1,360 @@
+"""The fused LoRA linear: ``y = x @ W.T + bias + scale * (dropout(x) @ A.T) @ B.T``.
+
+Layers of this file, bottom up:
+
+1. The torch reference (the specification, and the CPU path).
+2. Two ``torch.library`` ops, ``fastaf::lora_linear_fwd`` and ``fastaf::lora_linear_bwd``, each
+   with a fake (shape-only) implementation and a vmap rule. They dispatch to the Triton kernels
+   (``fastaf.kernels.lora_linear``) or to the reference.
+3. ``_LoRALinearFn``, a new-style ``autograd.Function`` (forward without ctx, ``setup_context``,
+   ``backward``, ``vmap``) joining the two ops. Not ``register_autograd``: that form fails under
+   ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps).
+4. ``lora_linear``, the public function.
+
+Inside the ops every tensor carries a leading *group* axis, so one op call serves one adapter
+(G = 1) or a batch of adapters (vmap over a stack folds the vmap axis into G):
+
+    x (Gx, M, K)   weight (Gw, N, K)   bias (Gc, N) | None   A (Ga, R, K)   B (Gb, N, R)
+    seed (Gs,) int64 | None            each G* is 1 (broadcast) or G
+    -> y (G, M, N), h = dropout(x) @ A.T (G, M, R)
+
+h is an op output so the backward reuses it instead of recomputing x @ A.T. Dropout masks come
+from a counter-based hash of (seed, m * K + k) (``fastaf.kernels.dropout_hash``), so the backward
+recomputes the mask and the Triton kernels match this reference bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels.dropout_hash import hash_uniform
+from ._adapter import LoRA
+
+IMPLS = ("auto", "triton", "torch")
+_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---- 1. reference --------------------------------------------------------------------------
+
+
+def _dropout_scale(x: Tensor, p: float, seed: Optional[Tensor]) -> Optional[Tensor]:
+    """keep / (1 - p) as x's dtype, (Gs, M, K); None when p == 0."""
+    if p == 0.0:
+        return None
+    M, K = x.shape[-2:]
+    index = torch.arange(M, device=x.device, dtype=torch.int64)[:, None] * K + torch.arange(
+        K, device=x.device, dtype=torch.int64
+    )  # (M, K)
+    keep = hash_uniform(seed.view(-1, 1, 1), index) >= p  # (Gs, M, K)
+    return keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def _group_size(*tensors: Optional[Tensor]) -> int:
+    return max(t.shape[0] for t in tensors if t is not None)
+
+
+def _t(t: Tensor) -> Tensor:
+    return t.transpose(-1, -2)
+
+
+def reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed):
+    """Torch reference of the forward op; shapes as in the module docstring."""
+    G = _group_size(x, weight, bias, a, b, seed)
+    mask = _dropout_scale(x, dropout_p, seed)
+    xd = x if mask is None else x * mask
+    h = xd @ _t(a)  # (G, M, R)
+    y = x @ _t(weight)  # (G, M, N)
+    if bias is not None:
+        y = y + bias[:, None, :]
+    y = y + scale * (h @ _t(b))
+    M, N, R = x.shape[1], weight.shape[1], a.shape[1]
+    return y.expand(G, M, N).contiguous(), h.expand(G, M, R).contiguous()
+
+
+def reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx):
+    """Torch reference of the backward op: (dx (G, M, K) or empty, dA (G, R, K), dB (G, N, R))."""
+    G, M, N = dy.shape
+    K, R = x.shape[2], a.shape[1]
+    mask = _dropout_scale(x, dropout_p, seed)
+    dh = scale * (dy @ b)  # (G, M, R)
+    db = scale * (_t(dy) @ h)  # (G, N, R)
+    xd = x if mask is None else x * mask
+    da = _t(dh) @ xd  # (G, R, K)
+    if needs_dx:
+        lora_dx = dh @ a  # (G, M, K)
+        dx = dy @ weight + (lora_dx if mask is None else lora_dx * mask)
+        dx = dx.expand(G, M, K).contiguous()
+    else:
+        dx = dy.new_empty(G, 0, 0)
+    return dx, da.expand(G, R, K).contiguous(), db.expand(G, N, R).contiguous()
+
+
+# ---- 2. torch.library ops -------------------------------------------------------------------
+
+
+def _kernels():
+    from ..kernels import lora_linear as kernels  # triton is imported only when a kernel runs
+
+    return kernels
+
+
+def _use_triton(impl: str, x: Tensor) -> bool:
+    if impl == "torch" or x.dtype == torch.float64:
+        if impl == "triton":
+            raise TypeError(f"impl='triton' does not take float64 input x {tuple(x.shape)}")
+        return False
+    if impl == "triton":
+        if not _kernels().available(x):
+            raise RuntimeError(
+                f"impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); x is on {x.device}"
+            )
+        return True
+    return x.is_cuda and _kernels().available(x)
+
+
+def _single_group(*tensors: Optional[Tensor]) -> bool:
+    return all(t is None or t.shape[0] == 1 for t in tensors)
+
+
+@torch.library.custom_op("fastaf::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    scale: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    """Forward op: (y (G, M, N), h (G, M, R)); see the module docstring for shapes."""
+    # Grouped calls (vmap over stacked adapters) take the batched-GEMM reference until the
+    # grouped kernel lands; the single-adapter hot path goes to the kernels.
+    if _single_group(x, weight, bias, a, b, seed) and _use_triton(impl, x):
+        y, h = _kernels().lora_linear_fwd(
+            x[0], weight[0], None if bias is None else bias[0], a[0], b[0],
+            scale, dropout_p, seed, impl=impl,
+        )
+        return y[None], h[None]
+    return reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed)
+
+
+@lora_linear_fwd.register_fake
+def _(x, weight, bias, a, b, scale, dropout_p, seed, impl):
+    G = _group_size(x, weight, bias, a, b, seed)
+    M, N, R = x.shape[1], weight.shape[1], a.shape[1]
+    return x.new_empty(G, M, N), x.new_empty(G, M, R)
+
+
+@torch.library.custom_op("fastaf::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    a: Tensor,
+    b: Tensor,
+    h: Tensor,
+    scale: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    needs_dx: bool,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward op: (dx (G, M, K), or (G, 0, 0) when not needed; dA (G, R, K); dB (G, N, R))."""
+    if _single_group(dy, x, weight, a, b, h, seed) and _use_triton(impl, x):
+        dx, da, db = _kernels().lora_linear_bwd(
+            dy[0], x[0], weight[0], a[0], b[0], h[0],
+            scale, dropout_p, seed, needs_dx, impl=impl,
+        )
+        dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
+        return dx, da[None], db[None]
+    return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
+
+
+@lora_linear_bwd.register_fake
+def _(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl):
+    G, M, N = dy.shape
+    K, R = x.shape[2], a.shape[1]
+    dx = dy.new_empty(G, M, K) if needs_dx else dy.new_empty(G, 0, 0)
+    return dx, a.new_empty(G, R, K), b.new_empty(G, N, R)
+
+
+def _fold_vmap_axis(n: int, tensors: tuple[Optional[Tensor], ...], dims: tuple[Optional[int], ...]):
+    """Fold a vmap axis of size n into the group axis of every grouped tensor.
+
+    A batched tensor (n, g, ...) becomes (n * G, ...); an unbatched one with g == 1 stays
+    (1, ...) and broadcasts; an unbatched one with g == G > 1 (nested vmap) is repeated n times.
+    """
+    moved = [None if t is None else (t if d is None else t.movedim(d, 0)) for t, d in zip(tensors, dims)]
+    G = max(t.shape[1] if d is not None else t.shape[0] for t, d in zip(moved, dims) if t is not None)
+    out = []
+    for t, d in zip(moved, dims):
+        if t is None:
+            out.append(None)
+        elif d is None:
+            out.append(t if t.shape[0] == 1 else t.unsqueeze(0).expand(n, *t.shape).flatten(0, 1))
+        else:
+            out.append(t.expand(n, G, *t.shape[2:]).flatten(0, 1))
+    return out
+
+
+def _unfold(n: int, outputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+    return tuple(o.unflatten(0, (n, -1)) for o in outputs), (0,) * len(outputs)
+
+
+@lora_linear_fwd.register_vmap
+def _(info, in_dims, x, weight, bias, a, b, scale, dropout_p, seed, impl):
+    x, weight, bias, a, b, seed = _fold_vmap_axis(
+        info.batch_size, (x, weight, bias, a, b, seed), in_dims[:5] + in_dims[7:8]
+    )
+    out = lora_linear_fwd(x, weight, bias, a, b, scale, dropout_p, seed, impl)
+    return _unfold(info.batch_size, out)
+
+
+@lora_linear_bwd.register_vmap
+def _(info, in_dims, dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl):
+    dy, x, weight, a, b, h, seed = _fold_vmap_axis(
+        info.batch_size, (dy, x, weight, a, b, h, seed), in_dims[:6] + in_dims[8:9]
+    )
+    out = lora_linear_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl)
+    return _unfold(info.batch_size, out)
+
+
+# ---- 3. the differentiable op -----------------------------------------------------------------
+
+
+def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Reduce a per-group gradient (G, ...) to an input that broadcast over groups (1, ...)."""
+    return grad.sum(0, keepdim=True) if grad.shape[0] != shape[0] else grad
+
+
+class _LoRALinearFn(torch.autograd.Function):
+    """Custom VJP of the fused LoRA linear over grouped tensors (see the module docstring)."""
+
+    @staticmethod
+    def forward(x, weight, bias, a, b, scale, dropout_p, seed, impl):
+        return torch.ops.fastaf.lora_linear_fwd(x, weight, bias, a, b, scale, dropout_p, seed, impl)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, a, b, scale, dropout_p, seed, impl = inputs
+        ctx.save_for_backward(x, weight, a, b, output[1], seed)
+        ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
+        ctx.bias_shape = None if bias is None else bias.shape
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dy, _dh):
+        x, weight, a, b, h, seed = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        # First-order only: torch.func.grad runs backward with create_graph=True, and the op's
+        # default autograd kernel would then wrap it in an old-style Function that functorch
+        # rejects. no_grad keeps the call a plain op call.
+        with torch.no_grad():
+            dx, da, db = torch.ops.fastaf.lora_linear_bwd(
+                dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl
+            )
+        # The frozen base weight and bias get gradients only when they ask for them.
+        dweight = _sum_to(_t(dy) @ x, weight.shape) if needs[1] else None
+        dbias = _sum_to(dy.sum(1), ctx.bias_shape) if needs[2] else None
+        return (
+            _sum_to(dx, x.shape) if needs[0] else None,
+            dweight,
+            dbias,
+            _sum_to(da, a.shape) if needs[3] else None,
+            _sum_to(db, b.shape) if needs[4] else None,
+            None, None, None, None,
+        )
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, a, b, scale, dropout_p, seed, impl):
+        # Re-enter the Function on folded tensors so outer grad levels still see this VJP.
+        x, weight, bias, a, b, seed = _fold_vmap_axis(
+            info.batch_size, (x, weight, bias, a, b, seed), in_dims[:5] + in_dims[7:8]
+        )
+        out = _LoRALinearFn.apply(x, weight, bias, a, b, scale, dropout_p, seed, impl)
+        return _unfold(info.batch_size, out)
+
+
+# ---- 4. public function -----------------------------------------------------------------------
+
+
+def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: str, where: str) -> None:
+    if not isinstance(lora, LoRA):
+        raise TypeError(f"{where}: lora must be a fastaf.LoRA, got {type(lora).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
+    if x.dtype not in _OP_DTYPES:
+        raise TypeError(f"{where}: input x {tuple(x.shape)} has dtype {x.dtype}; lora_linear takes {_OP_DTYPES}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{where}: weight {tuple(weight.shape)} is not (N, K) for input x {tuple(x.shape)} with K={x.shape[-1]}"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{where}: weight {tuple(weight.shape)} is {weight.dtype} but x {tuple(x.shape)} is {x.dtype}")
+    N, K = weight.shape
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"{where}: bias {tuple(bias.shape)} {bias.dtype} is not ({N},) {x.dtype}")
+    if lora.stacked:
+        raise ValueError(
+            f"{where}: stacked LoRA A {tuple(lora.A.shape)}; map over the stack with torch.func.vmap"
+        )
+    if (lora.in_features, lora.out_features) != (K, N):
+        raise ValueError(
+            f"{where}: LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit weight "
+            f"{tuple(weight.shape)}: expected A (r, {K}) and B ({N}, r)"
+        )
+    for name, t in (("weight", weight), ("bias", bias), ("A", lora.A), ("B", lora.B)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{where}: {name} {tuple(t.shape)} is on {t.device} but x is on {x.device}")
+
+
+def lora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    lora: LoRA,
+    *,
+    impl: str = "auto",
+    training: bool = True,
+    where: str = "lora_linear",
+) -> Tensor:
+    """``x @ weight.T + bias + lora.scale * (dropout(x) @ lora.A.T) @ lora.B.T``.
+
+    Args:
+        x: (..., K) float16 / bfloat16 / float32 (float64 on the torch path).
+        weight: (N, K) in x's dtype; may be a transposed view or tied to another module.
+        bias: (N,) or None.
+        lora: ``LoRA`` with A (r, K) and B (N, r); cast to x's dtype inside (gradients flow back
+            to the factors' own dtype, so fp32 master factors work with bf16 activations).
+        impl: "auto" (Triton on CUDA where it wins, else the reference), "triton", or "torch".
+        training: apply ``lora.dropout`` (as ``F.dropout``'s flag).
+        where: name used in error messages (functional_call passes the module path).
+    Returns:
+        (..., N) in x's dtype.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        # The custom op sits below autocast, so cast here as autocast would cast F.linear.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if not torch.compiler.is_compiling():
+        _check(x, weight, bias, lora, impl, where)
+    lead, K = x.shape[:-1], x.shape[-1]
+    p = float(lora.dropout) if training else 0.0
+    seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
+    y, _ = _LoRALinearFn.apply(
+        x.reshape(1, -1, K),
+        weight[None],
+        None if bias is None else bias[None],
+        lora.A.to(x.dtype)[None],
+        lora.B.to(x.dtype)[None],
+        float(lora.scale),
+        p,
+        seed,
+        impl,
+    )
+    return y.reshape(*lead, weight.shape[0])
