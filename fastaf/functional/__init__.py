@@ -1,17 +1,22 @@
-"""The pure functional core: adapter pytrees, the fused ops and ``functional_call``."""
+"""The pure functional core: adapter pytrees, the fused ops, ``functional_call`` and merging."""
 from ._adapter import Adapter, LoRA
-from ._call import functional_call
+from ._call import adapter_mode, functional_call
 from ._config import LoRAConfig, init_adapter
 from ._lora_linear import lora_linear
+from ._merge import extract_adapter, merge, merge_into
 from ._stack import stack, unstack
 
 __all__ = [
     "Adapter",
     "LoRA",
     "LoRAConfig",
+    "adapter_mode",
+    "extract_adapter",
     "functional_call",
     "init_adapter",
     "lora_linear",
+    "merge",
+    "merge_into",
     "stack",
     "unstack",
 ]

@@ -136,6 +136,22 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor]) ->
     return routes
 
 
+def adapter_mode(
+    model: nn.Module,
+    adapter: Adapter,
+    *,
+    params: Mapping[str, Tensor] | None = None,
+    impl: str = "auto",
+) -> _LoRAMode:
+    """A context manager under which ``model``'s targeted layers run with ``adapter``.
+
+    The building block of ``functional_call`` and of the stateful layer (``fastaf.init``).
+    Validates every path first (errors name the path and shapes) and changes nothing.
+    ``params`` names the tensors that will stand in for the model's own during the call.
+    """
+    return _LoRAMode(_routes(model, adapter, dict(params or {})), impl)
+
+
 def functional_call(
     model: nn.Module,
     adapter: Adapter | Sequence[Adapter] | None,
@@ -172,11 +188,11 @@ def functional_call(
 
     if adapter is None or len(adapter) == 0:
         return run()
-    routes = _routes(model, adapter, params)
-    with _LoRAMode(routes, impl):
+    mode = adapter_mode(model, adapter, params=params, impl=impl)
+    with mode:
         out = run()
     if not torch.compiler.is_compiling():
-        missed = [r.path for r in routes.values() if r.hits == 0]
+        missed = [r.path for r in mode.routes.values() if r.hits == 0]
         if missed:
             warnings.warn(
                 f"fastaf.functional_call: the LoRA of {len(missed)} module(s) was never applied "

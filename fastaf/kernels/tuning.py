@@ -1,0 +1,145 @@
+"""Tuning of the kernel families for given layer shapes; ``fastaf-tune`` is its command line.
+
+For each (M tokens, K in, N out, R rank) it times every pruned config of each kernel phase of
+``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) with ``triton.testing.do_bench``
+(median), keeps the fastest, then times the fused path against the cuBLAS+addmm path for the
+forward and the backward and records the winner, which ``_dispatch.choose`` reads. Results go to
+the tuning cache (``_cache``), keyed by GPU name and triton version.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from fastaf.kernels import _cache
+from fastaf.kernels import lora_linear as ll
+
+# (K, N) of Llama-3-8B attention and MLP, as in BENCH.md.
+BENCH_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+BENCH_TOKENS = [2048, 8192, 16384]
+BENCH_RANKS = [16, 64]
+KERNELS = ("gemm", "fwd_h", "bwd_dy", "bwd_da", "dispatch")
+
+
+@dataclass(frozen=True)
+class Shape:
+    M: int
+    K: int
+    N: int
+    R: int
+
+
+def shapes_from_model_config(cfg: dict) -> list[tuple[str, int, int]]:
+    """(name, K, N) of q/k/v/o/gate/up/down for an HF-style config dict, duplicates dropped."""
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    inter = int(cfg["intermediate_size"])
+    layers = [("q_proj", hidden, heads * head_dim), ("k_proj", hidden, kv * head_dim),
+              ("v_proj", hidden, kv * head_dim), ("o_proj", heads * head_dim, hidden),
+              ("gate_proj", hidden, inter), ("up_proj", hidden, inter), ("down_proj", inter, hidden)]
+    seen, out = set(), []
+    for name, k, n in layers:
+        if (k, n) not in seen:
+            seen.add((k, n))
+            out.append((name, k, n))
+    return out
+
+
+def _bench(fn: Callable[[], object], rep_ms: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=max(2, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def _best(name: str, configs: list[dict], run: Callable[[dict], object], rep_ms: int) -> tuple[dict, float]:
+    best, best_ms = None, float("inf")
+    for conf in configs:
+        try:
+            ms = _bench(lambda: run(conf), rep_ms)
+        except Exception as err:  # out of resources etc.: skip the config, never the shape
+            print(f"    {name} {conf}: failed ({type(err).__name__})", flush=True)
+            continue
+        if ms < best_ms:
+            best, best_ms = conf, ms
+    if best is None:
+        raise RuntimeError(f"no config of {name} ran")
+    return best, best_ms
+
+
+def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict, rep_ms: int = 20,
+               log: Callable[[str], None] = print) -> None:
+    """Tune every requested phase at one shape and record the results in ``data`` (a cache dict)."""
+    kernels = set(kernels)
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=g)  # noqa: E731
+    x, w, a, b = rnd(s.M, s.K), rnd(s.N, s.K) / s.K**0.5, rnd(s.R, s.K) / s.K**0.5, rnd(s.N, s.R)
+    dy = rnd(s.M, s.N)
+    h = ll.fwd_h(x, a, 0.0, None)
+    dh, _ = ll.bwd_dy(dy, b, h, 1.0)
+    dt = ll._key(dtype=dtype)["dtype"]
+    elt = x.element_size()
+
+    def put(phase: str, key: dict, conf: dict, ms: float) -> None:
+        _cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
+        log(f"    {phase:7s} {ms * 1e3:8.1f} us  {conf}")
+
+    if "gemm" in kernels:
+        for wkn, lhs, low, up, label in ((w.T, x, h, b.T, "fwd"), (w, dy, dh, a, "dx")):
+            M, K, N = lhs.shape[0], lhs.shape[1], wkn.shape[1]
+            tma = ll._tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
+            phase = "gemm" if tma else "gemm_plain"
+            key = ll._gemm_key(M, N, K, s.R, dtype, wkn)
+            conf, ms = _best(phase, ll.gemm_configs(elt),
+                             lambda c: ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
+            put(phase, key, conf, ms)
+    if "fwd_h" in kernels:
+        conf, ms = _best("fwd_h", ll.fwd_h_configs(), lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
+        put("fwd_h", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
+    if "bwd_dy" in kernels:
+        conf, ms = _best("bwd_dy", ll.bwd_dy_configs(), lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
+        put("bwd_dy", ll._key(M=s.M, N=s.N, R=s.R, dtype=dt), conf, ms)
+    if "bwd_da" in kernels:
+        conf, ms = _best("bwd_da", ll.bwd_da_configs(), lambda c: ll.bwd_da(dh, x, 0.0, None, config=c), rep_ms)
+        put("bwd_da", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
+    if "dispatch" in kernels:
+        _cache.save(data)  # the fused path below reads the configs just tuned
+        _cache.forget()
+        ll._config_memo.clear()
+        key = ll._key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
+        for phase, fn in (
+            ("fwd", lambda impl: ll.lora_linear_fwd(x, w, None, a, b, 2.0, 0.0, None, impl=impl)),
+            ("bwd", lambda impl: ll.lora_linear_bwd(dy, x, w, a, b, h, 2.0, 0.0, None, True, impl=impl)),
+        ):
+            ms = {impl: _bench(lambda: fn(impl), rep_ms * 2) for impl in ("triton", "addmm")}
+            winner = min(ms, key=ms.get)
+            _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []),
+                          {"key": key, "winner": winner, "ms": ms})
+            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us  addmm {ms['addmm'] * 1e3:8.1f} us  -> {winner}")
+
+
+def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, dtype: torch.dtype = torch.bfloat16,
+         kernels: Iterable[str] = KERNELS, rep_ms: int = 20, log: Callable[[str], None] = print,
+         budget_s: Optional[float] = None) -> dict:
+    """Tune ``lora_linear`` for every (M, K, N, R) of ``tokens x shapes x ranks``; returns the saved cache."""
+    gpu, triton_version = _cache.device_name(), _cache.triton_version()
+    path = _cache.cache_path(gpu, triton_version)
+    data = _cache.load(path) or _cache.empty(gpu, triton_version)
+    todo = [Shape(M, K, N, R) for M in tokens for K, N in shapes for R in ranks]
+    t0 = time.time()
+    for i, s in enumerate(todo):
+        if budget_s is not None and time.time() - t0 > budget_s:
+            log(f"time budget of {budget_s:.0f} s spent; {len(todo) - i} shapes left untuned")
+            break
+        log(f"[{i + 1}/{len(todo)}] M={s.M} K={s.K} N={s.N} r={s.R} {dtype}  ({time.time() - t0:.0f} s)")
+        tune_shape(s, dtype, kernels, data, rep_ms=rep_ms, log=log)
+        _cache.save(data, path)
+        torch.cuda.empty_cache()
+    _cache.forget()
+    ll._config_memo.clear()
+    return data

@@ -1,0 +1,70 @@
+"""Tiny randomly initialised Hugging Face models (no hub access), and adapter makers for tests.
+
+Eager attention everywhere: SDPA on CPU has no vmap batching rule, and the suite turns vmap's
+"performance drop" fallback warning into an error.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import fastaf as fa
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+    """Qwen2 has a bias on q/k/v_proj."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+    )
+    return Qwen2ForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
+    """GPT-2's attention and MLP are transformers Conv1D layers (weight stored (in, out))."""
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+MODELS = {
+    "llama": (tiny_llama, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "qwen2": (tiny_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "gpt2": (tiny_gpt2, ["c_attn", "c_proj", "c_fc"]),
+}
+
+
+def random_adapter(model, targets, r: int = 4, alpha: float = 8.0, seed: int = 0, **kw) -> fa.Adapter:
+    """An adapter with non-zero B (a fresh init has B = 0, which would hide errors in B's path)."""
+    ad = fa.init_adapter(model, fa.LoRAConfig(r=r, alpha=alpha, targets=targets, **kw), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return ad.map(
+        lambda p, l: fa.LoRA(l.A, (torch.randn(l.B.shape, generator=g) * 0.1).to(l.B), l.scale, l.dropout)
+    )
+
+
+def token_batch(batch: int = 2, seq: int = 12, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g)
