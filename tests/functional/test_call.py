@@ -1,0 +1,208 @@
+"""``functional_call`` on real (tiny, random) HF models, against PEFT as the reference."""
+import copy
+import warnings
+
+import peft
+import pytest
+import torch
+
+import fastaf as fa
+from tests._models import MODELS, VOCAB, random_adapter, tiny_llama, token_batch
+from tests._tolerances import rel_err
+
+RTOL = 1e-5  # fp32 parity with PEFT, relative norm
+
+
+def peft_model_with(base, adapters: dict[str, fa.Adapter], targets, r_alpha):
+    """A PEFT model built on a copy of ``base`` holding ``adapters`` with the same A/B values."""
+    model = None
+    for name, ad in adapters.items():
+        r, alpha = r_alpha[name]
+        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        if model is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # GPT-2: "fan_in_fan_out set to True"
+                model = peft.get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+        for path, lora in ad.items():
+            layer = model.base_model.model.get_submodule(path)
+            with torch.no_grad():
+                layer.lora_A[name].weight.copy_(lora.A)
+                layer.lora_B[name].weight.copy_(lora.B)
+    return model
+
+
+def snapshot(model):
+    """Everything functional_call must leave alone: tensors, classes, hooks, parameter objects."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "params": {k: id(v) for k, v in model.named_parameters()},
+        "classes": {k: type(m) for k, m in model.named_modules()},
+        "hooks": {
+            k: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), "forward" in vars(m))
+            for k, m in model.named_modules()
+        },
+        "global_hooks": len(torch.nn.modules.module._global_forward_hooks),
+        "mode_stack": torch._C._len_torch_function_stack(),
+    }
+
+
+def assert_unchanged(model, snap):
+    now = snapshot(model)
+    assert now["params"] == snap["params"] and now["classes"] == snap["classes"]
+    assert now["hooks"] == snap["hooks"] and now["global_hooks"] == snap["global_hooks"]
+    assert now["mode_stack"] == snap["mode_stack"]
+    for k, v in snap["state"].items():
+        assert torch.equal(now["state"][k], v), k
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_logits_and_grads_match_peft(name):
+    make_model, targets = MODELS[name]
+    base = make_model()
+    ad = random_adapter(base, targets, r=4, alpha=8.0)
+    ids = token_batch()
+    snap = snapshot(base)
+
+    loss_fn = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss
+    out = fa.functional_call(base, ad, (ids,))
+    grads = torch.func.grad(loss_fn)(ad)
+
+    pm = peft_model_with(base, {"default": ad}, targets, {"default": (4, 8.0)})
+    ref = pm(ids, labels=ids)
+    ref.loss.backward()
+    assert rel_err(out.logits, ref.logits) < RTOL
+    for path, g in grads.items():
+        layer = pm.base_model.model.get_submodule(path)
+        assert rel_err(g.A, layer.lora_A["default"].weight.grad) < RTOL, path
+        assert rel_err(g.B, layer.lora_B["default"].weight.grad) < RTOL, path
+    assert_unchanged(base, snap)
+
+
+def test_two_adapters_list_sum_and_peft_agree():
+    base = tiny_llama()
+    targets = ["q_proj", "v_proj", "down_proj"]
+    a1 = random_adapter(base, targets, r=4, alpha=8.0, seed=1)
+    a2 = random_adapter(base, ["q_proj", "up_proj"], r=2, alpha=6.0, seed=2)
+    ids = token_batch()
+    listed = fa.functional_call(base, [a1, a2], (ids,)).logits
+    summed = fa.functional_call(base, a1 + a2, (ids,)).logits
+    pm = peft_model_with(base, {"a1": a1}, targets, {"a1": (4, 8.0)})
+    cfg2 = peft.LoraConfig(r=2, lora_alpha=6.0, target_modules=["q_proj", "up_proj"])
+    pm.add_adapter("a2", cfg2)
+    for path, lora in a2.items():
+        layer = pm.base_model.model.get_submodule(path)
+        with torch.no_grad():
+            layer.lora_A["a2"].weight.copy_(lora.A)
+            layer.lora_B["a2"].weight.copy_(lora.B)
+    pm.base_model.set_adapter(["a1", "a2"])
+    ref = pm(ids).logits
+    assert rel_err(listed, ref) < RTOL and rel_err(summed, ref) < RTOL
+
+
+def test_functional_training_lowers_loss_and_leaves_model_alone():
+    base = tiny_llama()
+    snap = snapshot(base)
+    ad = fa.init_adapter(base, fa.LoRAConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "o_proj"]), seed=0)
+    ids = token_batch(4, 16)
+    step = torch.func.grad_and_value(lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss)
+    losses = []
+    for _ in range(8):
+        g, loss = step(ad)
+        ad = torch.utils._pytree.tree_map(lambda p, d: p - 0.5 * d, ad, g)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert isinstance(ad, fa.Adapter)
+    assert_unchanged(base, snap)
+
+
+def test_vmap_over_three_stacked_adapters_equals_loop():
+    base = tiny_llama()
+    targets = ["q_proj", "k_proj", "gate_proj"]
+    ads = [random_adapter(base, targets, r=r, seed=s) for r, s in ((4, 1), (2, 2), (3, 3))]
+    ads[1] = 0.5 * ads[1]
+    ids = token_batch()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.func.vmap(lambda a: fa.functional_call(base, a, (ids,)).logits)(fa.stack(ads))
+        loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss
+        grads = torch.func.vmap(torch.func.grad(loss))(fa.stack(ads))
+    for i, ad in enumerate(ads):
+        assert rel_err(got[i], fa.functional_call(base, ad, (ids,)).logits) < RTOL
+        g = torch.func.grad(loss)(ad)
+        # stacked slot i is zero-padded to rank 4: compare the live rows of dA
+        r = ad["model.layers.0.self_attn.q_proj"].rank
+        assert rel_err(grads["model.layers.0.self_attn.q_proj"].A[i, :r], g["model.layers.0.self_attn.q_proj"].A) < RTOL
+
+
+def test_params_swap_and_none_adapter():
+    base = tiny_llama()
+    ids = token_batch()
+    params = {k: v * 1.01 for k, v in base.named_parameters()}
+    ref = torch.func.functional_call(base, params, (ids,)).logits
+    assert torch.equal(fa.functional_call(base, None, (ids,), params=params).logits, ref)
+    ad = random_adapter(base, ["q_proj"])
+    # the adapter applies to the swapped weights too
+    swapped = fa.functional_call(base, ad, (ids,), params=params).logits
+    merged = dict(params)
+    for path, lora in ad.items():
+        merged[f"{path}.weight"] = params[f"{path}.weight"] + lora.delta()
+    assert rel_err(swapped, torch.func.functional_call(base, merged, (ids,)).logits) < RTOL
+
+
+def test_compile_fullgraph_has_no_graph_breaks():
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj", "v_proj"])
+    ids = token_batch()
+    f = lambda a, ids: fa.functional_call(base, a, (ids,)).logits
+    explained = torch._dynamo.explain(f)(ad, ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(ad, ids), f(ad, ids)) < RTOL
+
+
+def test_model_untouched_after_a_call_that_raises():
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj"])
+    snap = snapshot(base)
+    bad_ids = torch.full((1, 4), VOCAB + 5)  # out of range for the embedding
+    with pytest.raises(IndexError):
+        fa.functional_call(base, ad, (bad_ids,))
+    assert_unchanged(base, snap)
+    fa.functional_call(base, ad, (token_batch(),))  # and it still works
+
+
+def test_dropout_follows_module_training_flag():
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj"], dropout=0.5)
+    ids = token_batch()
+    eval_a = fa.functional_call(base, ad, (ids,)).logits
+    assert torch.equal(eval_a, fa.functional_call(base, ad, (ids,)).logits)
+    base.train()
+    try:
+        t1, t2 = (fa.functional_call(base, ad, (ids,)).logits for _ in range(2))
+    finally:
+        base.eval()
+    assert not torch.equal(t1, t2)
+
+
+def test_bad_input_names_the_path():
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj"])
+    ids = token_batch()
+    path = "model.layers.0.self_attn.q_proj"
+    wrong = fa.Adapter({path: fa.LoRA(torch.randn(4, 7), torch.randn(32, 4))})
+    with pytest.raises(ValueError, match=rf"{path}.*A \(4, 7\)"):
+        fa.functional_call(base, wrong, (ids,))
+    with pytest.raises(ValueError, match="model.layers.9.self_attn.q_proj"):
+        fa.functional_call(base, fa.Adapter({"model.layers.9.self_attn.q_proj": ad[path]}), (ids,))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.*not a linear"):
+        fa.functional_call(base, fa.Adapter({"model.layers.0.mlp": ad[path]}), (ids,))
+    meta = fa.Adapter({path: fa.LoRA(ad[path].A.to("meta"), ad[path].B.to("meta"), 2.0)})
+    with pytest.raises(ValueError, match=rf"{path}.*meta"):
+        fa.functional_call(base, meta, (ids,))
+    with pytest.raises(ValueError, match=rf"{path}.*vmap"):
+        fa.functional_call(base, fa.stack([ad, ad]), (ids,))
+    with pytest.raises(TypeError, match="adapter must be"):
+        fa.functional_call(base, {"x": 1}, (ids,))

@@ -1,0 +1,184 @@
+"""The op ``fastaf.functional.lora_linear``: reference maths, opcheck, gradcheck, transforms, errors.
+
+The Triton kernels behind ``impl="triton"`` are tested in tests/kernels; here the torch path.
+"""
+import warnings
+
+import pytest
+import torch
+
+import fastaf as fa
+from fastaf.functional import lora_linear
+from fastaf.functional._lora_linear import _LoRALinearFn
+from fastaf.kernels.dropout_hash import keep_mask
+from tests._tolerances import assert_close
+
+
+def make(M=7, K=6, N=5, r=3, dtype=torch.float32, bias=True, lead=(2,), seed=0, dropout=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    lo = fa.LoRA(torch.randn(r, K, generator=g).to(dtype), torch.randn(N, r, generator=g).to(dtype), 0.7, dropout)
+    return x, w, b, lo
+
+
+def ref(x, w, b, lo):
+    """fp64 formula from the spec: x @ W.T + b + s * (x @ A.T) @ B.T."""
+    x, w, A, B = x.double(), w.double(), lo.A.double(), lo.B.double()
+    y = x @ w.T + lo.scale * (x @ A.T) @ B.T
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_matches_formula(dtype, bias):
+    x, w, b, lo = make(dtype=dtype, bias=bias, lead=(2, 3))
+    y = lora_linear(x, w, b, lo)
+    assert y.shape == (2, 3, 7, 5) and y.dtype == dtype
+    assert_close(y, ref(x, w, b, lo), dtype)
+
+
+def test_gradients_match_autograd_of_formula():
+    x, w, b, lo = make(dtype=torch.float64)
+    x.requires_grad_()
+    A, B = lo.A.clone().requires_grad_(), lo.B.clone().requires_grad_()
+    y = lora_linear(x, w, b, fa.LoRA(A, B, lo.scale))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, A, B), dy)
+    x2, A2, B2 = x.detach().requires_grad_(), lo.A.clone().requires_grad_(), lo.B.clone().requires_grad_()
+    want = torch.autograd.grad(ref(x2, w, b, fa.LoRA(A2, B2, lo.scale)), (x2, A2, B2), dy)
+    for g, wt, name in zip(got, want, ("dx", "dA", "dB")):
+        assert_close(g, wt, torch.float64, name)
+
+
+def test_frozen_weight_gets_no_grad_unless_it_asks():
+    x, w, b, lo = make()
+    A = lo.A.clone().requires_grad_()
+    y = lora_linear(x, w, b, fa.LoRA(A, lo.B, lo.scale))
+    y.sum().backward()
+    assert w.grad is None and A.grad is not None
+    w2, b2 = w.double().requires_grad_(), b.double().requires_grad_()
+    y = lora_linear(x.double(), w2, b2, fa.LoRA(lo.A.double(), lo.B.double(), lo.scale))
+    gw, gb = torch.autograd.grad(y.sum(), (w2, b2))
+    assert_close(gw, x.double().reshape(-1, 6).sum(0).expand(5, 6), torch.float64, "dW")
+    assert_close(gb, torch.full((5,), 14.0, dtype=torch.float64), torch.float64, "dbias")
+
+
+def test_noncontiguous_and_tied_weight():
+    x, w, b, lo = make()
+    wt = w.T.contiguous().T  # same values, column-major strides
+    assert not wt.is_contiguous()
+    assert_close(lora_linear(x, wt, b, lo), ref(x, w, b, lo), torch.float32)
+    # one tensor used as the weight of two calls (tied) accumulates both gradients
+    w2 = w.clone().requires_grad_()
+    (lora_linear(x, w2, b, lo).sum() + lora_linear(x, w2, b, lo).sum()).backward()
+    assert_close(w2.grad, 2 * torch.ones(2 * 7, 5).T @ x.reshape(-1, 6), torch.float32, "tied dW")
+
+
+def test_fp32_adapter_with_bf16_activations_gives_fp32_grads():
+    x, w, b, lo = make(dtype=torch.bfloat16)
+    A = lo.A.float().requires_grad_()
+    y = lora_linear(x, w, b, fa.LoRA(A, lo.B.float(), lo.scale))
+    assert y.dtype == torch.bfloat16
+    (g,) = torch.autograd.grad(y.float().sum(), A)
+    assert g.dtype == torch.float32
+
+
+def test_dropout_mask_scaling_and_eval():
+    x, w, b, lo = make(M=64, K=32, dropout=0.25, lead=())
+    torch.manual_seed(3)
+    y = lora_linear(x, w, b, lo)
+    torch.manual_seed(3)
+    seed = torch.randint(0, 2**31 - 1, (1,))
+    keep = keep_mask(seed, 64, 32, 0.25, x.device)
+    assert 0.7 < keep.float().mean() < 0.8
+    xd = x * keep / 0.75
+    want = x.double() @ w.double().T + b.double() + lo.scale * (xd.double() @ lo.A.double().T) @ lo.B.double().T
+    assert_close(y, want, torch.float32)
+    assert_close(lora_linear(x, w, b, lo, training=False), ref(x, w, b, lo), torch.float32)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_gradcheck_fp64(dropout):
+    x, w, b, lo = make(M=4, K=3, N=2, r=2, dtype=torch.float64, lead=())
+    seed = torch.tensor([11]) if dropout else None
+    args = [t.unsqueeze(0).requires_grad_() for t in (x, w, b, lo.A, lo.B)]
+    fn = lambda *t: _LoRALinearFn.apply(*t, 0.7, dropout, seed, "torch")[0]
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_opcheck(op):
+    x, w, b, lo = make(lead=())
+    x3, w3, b3, A3, B3 = x[None], w[None], b[None], lo.A[None], lo.B[None]
+    seed = torch.tensor([5])
+    if op == "fwd":
+        torch.library.opcheck(torch.ops.fastaf.lora_linear_fwd, (x3, w3, b3, A3, B3, 0.7, 0.1, seed, "torch"))
+        torch.library.opcheck(torch.ops.fastaf.lora_linear_fwd, (x3, w3, None, A3, B3, 0.7, 0.0, None, "auto"))
+    else:
+        _, h = torch.ops.fastaf.lora_linear_fwd(x3, w3, b3, A3, B3, 0.7, 0.1, seed, "torch")
+        dy = torch.randn(1, 7, 5)
+        for needs_dx in (True, False):
+            torch.library.opcheck(
+                torch.ops.fastaf.lora_linear_bwd, (dy, x3, w3, A3, B3, h, 0.7, 0.1, seed, needs_dx, "torch")
+            )
+
+
+def test_compile_fullgraph_matches_eager_without_graph_breaks():
+    x, w, b, lo = make()
+
+    def f(x, lo):
+        return torch.nn.functional.gelu(lora_linear(x, w, b, lo)).sum(-1)
+
+    explained = torch._dynamo.explain(f)(x, lo)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, lo), f(x, lo))
+    g = torch.compile(torch.func.grad(lambda lo: f(x, lo).sum()), fullgraph=True, backend="aot_eager")(lo)
+    g_eager = torch.func.grad(lambda lo: f(x, lo).sum())(lo)
+    torch.testing.assert_close(g.A, g_eager.A)
+
+
+def test_vmap_over_stack_and_inputs_has_no_fallback():
+    x, w, b, lo = make(lead=())
+    los = [fa.LoRA(lo.A * (i + 1), lo.B, lo.scale) for i in range(3)]
+    st = fa.stack([fa.Adapter({"l": l}) for l in los])["l"]
+    xs = torch.randn(3, 7, 6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        y_ad = torch.func.vmap(lambda l: lora_linear(x, w, b, l))(st)
+        y_both = torch.func.vmap(lambda xi, l: lora_linear(xi, w, b, l))(xs, st)
+        g = torch.func.vmap(torch.func.grad(lambda l: lora_linear(x, w, b, l).square().sum()))(st)
+    for i, l in enumerate(los):
+        assert_close(y_ad[i], ref(x, w, b, l), torch.float32, f"adapter {i}")
+        assert_close(y_both[i], ref(xs[i], w, b, l), torch.float32, f"x and adapter {i}")
+        gi = torch.func.grad(lambda l: lora_linear(x, w, b, l).square().sum())(l)
+        assert_close(g.A[i], gi.A, torch.float32, f"dA {i}")
+
+
+def test_vmap_dropout_needs_randomness_flag():
+    x, w, b, lo = make(lead=(), dropout=0.2)
+    st = fa.stack([fa.Adapter({"l": lo})] * 2)["l"]
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.func.vmap(lambda l: lora_linear(x, w, b, l))(st)
+    y = torch.func.vmap(lambda l: lora_linear(x, w, b, l), randomness="different")(st)
+    assert not torch.equal(y[0], y[1])
+    y = torch.func.vmap(lambda l: lora_linear(x, w, b, l), randomness="same")(st)
+    assert torch.equal(y[0], y[1])
+
+
+def test_bad_inputs_are_named():
+    x, w, b, lo = make()
+    with pytest.raises(TypeError, match="int64"):
+        lora_linear(x.long(), w, b, lo)
+    with pytest.raises(TypeError, match=r"weight \(5, 6\) is torch.float64"):
+        lora_linear(x, w.double(), b, lo)
+    with pytest.raises(ValueError, match=r"expected A \(r, 6\)"):
+        lora_linear(x, w, b, fa.LoRA(torch.randn(3, 4), torch.randn(5, 3)))
+    with pytest.raises(ValueError, match="is on meta"):
+        lora_linear(x, w, b, fa.LoRA(lo.A.to("meta"), lo.B.to("meta")))
+    with pytest.raises(ValueError, match="impl"):
+        lora_linear(x, w, b, lo, impl="cuda")
+    with pytest.raises(ValueError, match="stacked"):
+        lora_linear(x, w, b, fa.stack([fa.Adapter({"l": lo})])["l"])
