@@ -1,18 +1,347 @@
-"""The stateful convenience layer for HF Trainer / generate (issue 4): placeholder."""
+"""The stateful convenience layer: ``fastaf.init(model)`` and the ``model.add_new_adapter`` family.
+
+A thin layer over the functional core for code that expects a stateful model (HF ``Trainer``,
+``generate``). ``init`` changes one model *instance*, never a transformers class:
+
+- ``model.fastaf``, a ``_Registry`` submodule, holds every adapter's factors as ``nn.Parameter``s
+  at ``fastaf.adapters.<name>.<module path, "." -> "__">.{A,B}``, so ``model.parameters()``,
+  optimizers and ``Trainer`` see them. The base parameters are frozen; only the active adapter's
+  factors require grad, so an optimizer built from the trainable parameters gets exactly those.
+- ``model.forward`` becomes the original forward run under ``adapter_mode(model, active)``: the
+  same fused ``lora_linear`` op as ``fastaf.functional_call``. ``model(...)`` and
+  ``model.generate(...)`` both go through it.
+- Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
+  ``active_adapter``.
+
+Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stands in for the
+active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
+active one applies.
+
+Known limit: activation checkpointing recomputes layers outside ``model.forward``'s mode, so
+``gradient_checkpointing_enable()`` does not combine with this layer (non-reentrant checkpointing
+raises a CheckpointError; reentrant gives no adapter gradients).
+"""
 from __future__ import annotations
 
+import contextlib
+import functools
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-def init(model):
-    raise NotImplementedError("fastaf.init is not implemented yet")
+import torch
+from torch import nn
+
+from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
+from .functional._call import _LoRAMode
+
+_ATTR = "fastaf"  # name of the registry submodule on the model
 
 
-def save_adapter_to_local_dir(model, *, path, name):
-    raise NotImplementedError
+class _LoRAParams(nn.Module):
+    """One module path's LoRA factors, trainable: A (r, in), B (out, r)."""
+
+    def __init__(self, path: str, lora: LoRA) -> None:
+        super().__init__()
+        self.path = path
+        self.scale = float(lora.scale)
+        self.dropout = float(lora.dropout)
+        # Copies: optimizers update these in place, and the caller's Adapter is a value.
+        self.A = nn.Parameter(lora.A.detach().clone(), requires_grad=False)
+        self.B = nn.Parameter(lora.B.detach().clone(), requires_grad=False)
+
+    def lora(self, *, detach: bool) -> LoRA:
+        if detach:
+            return LoRA(self.A.detach().clone(), self.B.detach().clone(), self.scale, self.dropout)
+        return LoRA(self.A, self.B, self.scale, self.dropout)
+
+    def extra_repr(self) -> str:
+        return f"path={self.path!r}, r={self.A.shape[0]}, scale={self.scale:g}, dropout={self.dropout:g}"
 
 
-def load_adapter(model, *, path_or_repo_id, name=None):
-    raise NotImplementedError
+class _AdapterSlot(nn.ModuleDict):
+    """One named adapter: escaped module path -> ``_LoRAParams``, plus its config if known."""
+
+    def __init__(self, adapter: Adapter, config: LoRAConfig | None) -> None:
+        # ModuleDict keys cannot contain "."; the real path lives on each entry.
+        super().__init__({path.replace(".", "__"): _LoRAParams(path, lora) for path, lora in adapter.items()})
+        if len(self) != len(adapter):
+            raise ValueError(f"module paths collide once '.' is escaped to '__': {list(adapter)}")
+        self.config = config
+
+    def adapter(self, *, detach: bool) -> Adapter:
+        return Adapter({p.path: p.lora(detach=detach) for p in self.values()})
 
 
-def push_adapter_to_hub(model, *, name, repo_id, **kwargs):
-    raise NotImplementedError
+class _Registry(nn.Module):
+    """Every adapter of one model (``model.fastaf``) and which one is active."""
+
+    def __init__(self, inner_forward: Any) -> None:
+        super().__init__()
+        self.adapters = nn.ModuleDict()
+        self.active: str | None = None
+        # An instance-level forward that was there before init (e.g. accelerate's device hook);
+        # None means the class's forward.
+        self.inner_forward = inner_forward
+
+    def extra_repr(self) -> str:
+        return f"active={self.active!r}"
+
+    def slot(self, name: Any) -> _AdapterSlot:
+        if not isinstance(name, str) or name not in self.adapters:
+            raise KeyError(f"no adapter named {name!r}; this model has {list(self.adapters)}")
+        return self.adapters[name]
+
+    def check_new_name(self, name: Any) -> None:
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"adapter name must be a non-empty str without '.', got {name!r}")
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} already exists; this model has {list(self.adapters)}")
+        if hasattr(self.adapters, name):  # ModuleDict would refuse its own attribute names
+            raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
+
+
+# ---- the instance state -------------------------------------------------------------------------
+
+
+def _registry(model: nn.Module) -> _Registry:
+    registry = getattr(model, _ATTR, None)
+    if not isinstance(registry, _Registry):
+        raise RuntimeError(f"{type(model).__name__} has no fastaf adapters; call fastaf.init(model) first")
+    return registry
+
+
+@contextlib.contextmanager
+def _without_registry(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its registry detached, so target matching never sees the registry's modules."""
+    registry = model._modules.pop(_ATTR)
+    try:
+        yield model
+    finally:
+        model._modules[_ATTR] = registry
+
+
+def _inside_functional_call() -> bool:
+    """True when a fastaf adapter mode (``functional_call``'s) is already active."""
+    return any(isinstance(m, _LoRAMode) for m in torch.overrides._get_current_function_mode_stack())
+
+
+def _adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's original forward, with the active adapter applied through ``adapter_mode``."""
+    registry = _registry(self)
+    inner = registry.inner_forward or functools.partial(type(self).forward, self)
+    if registry.active is None or _inside_functional_call():
+        return inner(*args, **kwargs)
+    adapter = registry.slot(registry.active).adapter(detach=False)  # the Parameters: grads reach them
+    with adapter_mode(self, adapter):  # `with` leaves no mode behind, also when forward raises
+        return inner(*args, **kwargs)
+
+
+def _bind_forward(model: nn.Module) -> None:
+    # A fresh function per model so functools.wraps can give it the class forward's signature:
+    # Trainer and generate inspect model.forward's parameters.
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _adapted_forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, type(model).forward)
+    # Bound with MethodType (not a closure over model) so copy.deepcopy rebinds it to the copy.
+    model.forward = types.MethodType(forward, model)
+
+
+def _set_trainable(registry: _Registry) -> None:
+    """Only the active adapter's factors require grad."""
+    for name, slot in registry.adapters.items():
+        for p in slot.parameters():
+            p.requires_grad_(name == registry.active)
+
+
+def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig | None) -> None:
+    """Validate ``adapter`` against the model, then add it; nothing is added on error."""
+    registry = _registry(model)
+    registry.check_new_name(name)
+    if len(adapter) == 0:
+        raise ValueError(f"adapter {name!r} is empty; it adapts no module")
+    with _without_registry(model) as base:
+        adapter_mode(base, adapter)  # raises on unknown paths, non-linear modules, shapes, devices
+    registry.adapters[name] = _AdapterSlot(adapter, config)
+
+
+# ---- the bound methods --------------------------------------------------------------------------
+
+
+def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *, seed: int | None = None) -> None:
+    """Add a new, inactive adapter ``name``.
+
+    Args:
+        name: a new adapter name (no '.').
+        config: a ``LoRAConfig`` (factors initialised like PEFT by ``fastaf.init_adapter``: fp32,
+            B = 0, on each module's device), or an ``Adapter`` whose values are copied in (its
+            factors must already sit on their modules' devices; the dtype is kept).
+        seed: seeds ``init_adapter``'s generator (config only).
+    Raises:
+        ValueError: the name exists or is invalid, or the config/adapter does not fit the model;
+            nothing is added then.
+    """
+    registry = _registry(self)
+    registry.check_new_name(name)  # before the (possibly large) init
+    if isinstance(config, LoRAConfig):
+        with _without_registry(self) as base:
+            adapter = init_adapter(base, config, seed=seed)
+        _register(self, name, adapter, config)
+    elif isinstance(config, Adapter):
+        _register(self, name, config, None)
+    else:
+        raise TypeError(
+            f"add_new_adapter({name!r}, ...) needs a fastaf.LoRAConfig or Adapter, got {type(config).__name__}"
+        )
+
+
+def _set_active_adapter(self: nn.Module, name: str | None) -> None:
+    """Make ``name`` the adapter that ``model(...)`` applies and the only trainable one; None: the base."""
+    registry = _registry(self)
+    if name is not None:
+        registry.slot(name)  # KeyError naming the known adapters
+    registry.active = name
+    _set_trainable(registry)
+
+
+def _remove_adapter(self: nn.Module, name: str) -> None:
+    """Delete adapter ``name`` and its parameters; removing the active adapter deactivates it."""
+    registry = _registry(self)
+    registry.slot(name)
+    del registry.adapters[name]
+    if registry.active == name:
+        registry.active = None
+
+
+def _get_adapter(self: nn.Module, name: str) -> Adapter:
+    """The current values of adapter ``name`` as a ``fastaf.Adapter`` (detached copies)."""
+    return _registry(self).slot(name).adapter(detach=True)
+
+
+def _active_adapter(self: nn.Module) -> str | None:
+    """The active adapter's name, or None when the model runs as the base."""
+    return _registry(self).active
+
+
+_METHODS = {
+    "add_new_adapter": _add_new_adapter,
+    "set_active_adapter": _set_active_adapter,
+    "remove_adapter": _remove_adapter,
+    "get_adapter": _get_adapter,
+    "active_adapter": _active_adapter,
+}
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+
+def init(model: nn.Module) -> nn.Module:
+    """Prepare ``model`` for the stateful API (idempotent) and return it.
+
+    Freezes every base parameter, registers the empty adapter registry ``model.fastaf``, wraps
+    ``model.forward`` and binds ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``,
+    ``get_adapter`` and ``active_adapter`` on this instance (see the module docstring).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model already has an attribute with one of those names.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastaf.init needs an nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, _ATTR, None), _Registry):
+        return model
+    taken = [n for n in (_ATTR, *_METHODS) if hasattr(model, n)]
+    if taken:
+        raise ValueError(f"fastaf.init: {type(model).__name__} already has attribute(s) {taken}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.add_module(_ATTR, _Registry(model.__dict__.get("forward")))
+    _bind_forward(model)
+    for name, fn in _METHODS.items():
+        setattr(model, name, types.MethodType(fn, model))
+    return model
+
+
+def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) -> Path:
+    """Write adapter ``name`` into the directory ``path`` in PEFT's layout; returns ``path``.
+
+    The files (``adapter_model.safetensors``, ``adapter_config.json``) go directly into ``path``,
+    so ``load_adapter(model, path_or_repo_id=path)`` reads them back.
+    """
+    from ._io import save_adapter
+
+    slot = _registry(model).slot(name)
+    save_adapter(slot.adapter(detach=True), path, config=slot.config)
+    return Path(path)
+
+
+def _default_name(path_or_repo_id: str | Path) -> str:
+    """The last component of the path or repo id ('.' -> '_'), or "default" when there is none."""
+    return Path(str(path_or_repo_id).rstrip("/\\")).name.replace(".", "_") or "default"
+
+
+def load_adapter(
+    model: nn.Module,
+    *,
+    path_or_repo_id: str | Path,
+    name: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> str:
+    """Read an adapter (local dir or hub repo id, PEFT layout) and register it, inactive.
+
+    Calls ``fastaf.init(model)`` first if needed. The factors go to their modules' devices in the
+    file's dtype (``fastaf.read_adapter(..., model=model)``).
+
+    Args:
+        path_or_repo_id: a local directory or a hub repo id, as ``fastaf.read_adapter`` takes.
+        name: the adapter's name; default: the last component of ``path_or_repo_id`` with '.'
+            replaced by '_' (``"./ckpt/sql"`` -> ``"sql"``, ``"user/sql-lora"`` -> ``"sql-lora"``),
+            or ``"default"`` when that is empty (``"."``).
+        revision: hub branch, tag or commit (hub ids only).
+        token: hub token (hub ids only).
+    Returns:
+        The name it was registered under; activate it with ``model.set_active_adapter(name)``.
+    """
+    from ._io import read_adapter
+
+    init(model)
+    name = _default_name(path_or_repo_id) if name is None else name
+    _registry(model).check_new_name(name)  # fail before reading (or downloading) anything
+    adapter = read_adapter(path_or_repo_id, model=model, revision=revision, token=token)
+    _register(model, name, adapter, None)
+    return name
+
+
+def push_adapter_to_hub(
+    model: nn.Module,
+    *,
+    name: str,
+    repo_id: str,
+    token: str | bool | None = None,
+    private: bool | None = None,
+    commit_message: str | None = None,
+) -> Any:
+    """Upload adapter ``name`` to the hub repo ``repo_id`` in PEFT's layout.
+
+    Saves into a temporary directory with ``save_adapter_to_local_dir`` and uploads that folder in
+    one commit (``fastaf._hub.upload_folder_to_hub``; ``token`` and ``private`` as there).
+
+    Returns:
+        The URL of the commit.
+    """
+    from ._hub import upload_folder_to_hub
+
+    _registry(model).slot(name)  # unknown names fail before anything is written
+    with tempfile.TemporaryDirectory(prefix="fastaf-push-") as tmp:
+        save_adapter_to_local_dir(model, path=tmp, name=name)
+        return upload_folder_to_hub(
+            tmp,
+            repo_id,
+            token=token,
+            private=private,
+            commit_message=commit_message or f"Upload fastaf adapter {name!r}",
+        )
