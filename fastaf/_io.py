@@ -1,10 +1,430 @@
-"""Adapter files in PEFT's layout (issue 4): placeholder until the I/O module lands."""
+"""Adapter files in PEFT's layout: ``adapter_model.safetensors`` + ``adapter_config.json``.
+
+A LoRA at module path ``p`` is stored as ``base_model.model.<p>.lora_A.weight`` (r, in) and
+``base_model.model.<p>.lora_B.weight`` (out, r), which is what ``PeftModel.save_pretrained``
+writes for the default adapter and what ``PeftModel.from_pretrained`` reads. The scale lives in
+the config: PEFT computes ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``),
+with per-module ``rank_pattern`` / ``alpha_pattern`` overrides whose keys are regexes matched
+against the end of the module path (``re.match(rf"(.*\\.)?({key})$", path)``, first key wins).
+
+Reading is strict where PEFT is lenient: an unknown key, a feature fastaf does not implement
+(DoRA, LoRA biases, embeddings, modules_to_save, ...) or a key without the
+``base_model.model.`` prefix is an error naming the file and the key, never dropped.
+"""
 from __future__ import annotations
 
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-def save_adapter(adapter, directory, *, config=None):
-    raise NotImplementedError("fastaf.save_adapter is not implemented yet")
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from . import _hub
+from .functional import Adapter, LoRA, LoRAConfig, adapter_mode
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+
+# Key fragments of PEFT features that change what the adapter computes; fastaf has none of them.
+_UNSUPPORTED_KEYS = {
+    "lora_magnitude_vector": "DoRA magnitudes (use_dora)",
+    "lora_embedding_A": "a LoRA on an embedding layer",
+    "lora_embedding_B": "a LoRA on an embedding layer",
+    "modules_to_save": "a fully trained module copy (modules_to_save)",
+    "lora_B.bias": "a LoRA bias (lora_bias)",
+    "trainable_tokens": "trainable token embeddings (trainable_token_indices)",
+}
+
+# Config fields that, when set, change the forward pass or the layout; fastaf supports none.
+# Initialisation-only fields (init_lora_weights, loftq/eva/corda/lora_ga configs) are ignored.
+_UNSUPPORTED_CONFIG = {
+    "use_dora": "DoRA",
+    "lora_bias": "LoRA biases",
+    "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable tokens",
+    "target_parameters": "LoRA on nn.Parameter targets",
+    "layers_to_transform": "layers_to_transform",
+    "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QALoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing",
+    "monteclora_config": "MonteCLoRA",
+    "kasa_config": "KaSA",
+    "velora_config": "VeLoRA",
+    "megatron_config": "Megatron parallel layers",
+}
 
 
-def read_adapter(dir_or_repo_id):
-    raise NotImplementedError("fastaf.read_adapter is not implemented yet")
+# ---- scale <-> (r, lora_alpha) ----------------------------------------------------------------
+
+
+def _peft_scale(alpha: float, r: int, rslora: bool) -> float:
+    """PEFT's ``scaling`` for one layer, computed exactly as its LoraLayer.update_layer does."""
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def _alpha_for(scale: float, r: int, rslora: bool) -> float | int:
+    """A ``lora_alpha`` from which PEFT computes exactly ``scale``.
+
+    ``scale * r`` can be one ulp off after PEFT divides again, so the neighbouring floats are
+    tried too; if none divides back exactly, the nearest (within an ulp) is kept.
+    """
+    alpha = scale * (math.sqrt(r) if rslora else r)
+    candidates = [alpha]
+    lo = hi = alpha
+    for _ in range(4):
+        lo, hi = math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf)
+        candidates += [lo, hi]
+    exact = next((a for a in candidates if _peft_scale(a, r, rslora) == scale), alpha)
+    return int(exact) if float(exact).is_integer() and abs(exact) < 2**53 else exact
+
+
+# ---- rank_pattern / alpha_pattern keys ---------------------------------------------------------
+
+
+def _pattern_key(patterns: Mapping[str, Any], path: str) -> str | None:
+    """The key of ``patterns`` PEFT applies to ``path`` (its ``get_pattern_key``), or None."""
+    return next((k for k in patterns if re.match(rf"(.*\.)?({k})$", path)), None)
+
+
+def _pattern_keys(paths: list[str]) -> dict[str, str]:
+    """A pattern key per path that, under PEFT's matching, selects that path and no other.
+
+    The plain path (what PEFT itself writes) when it is unambiguous among ``paths``; otherwise
+    the escaped path anchored at the start.
+    """
+    keys = {}
+    for p in paths:
+        plain_ok = re.escape(p) == p.replace(".", r"\.") and not any(
+            q != p and re.match(rf"(.*\.)?({p})$", q) for q in paths
+        )
+        keys[p] = p if plain_ok else "^" + re.escape(p)
+    return keys
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+
+def _targets_match(targets: str | tuple[str, ...], path: str) -> bool:
+    """Whether PEFT's ``target_modules`` selects ``path`` ("all-linear" cannot be checked here)."""
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, path) is not None
+    return any(path == t or path.endswith("." + t) for t in targets)
+
+
+def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
+    """Validate ``adapter`` for the PEFT layout; returns its (single) dropout."""
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"save_adapter needs a fastaf.Adapter, got {type(adapter).__name__}")
+    if len(adapter) == 0:
+        raise ValueError("save_adapter: the adapter is empty; nothing to save")
+    if config is not None and not isinstance(config, LoRAConfig):
+        raise TypeError(f"save_adapter: config must be a fastaf.LoRAConfig, got {type(config).__name__}")
+    for path, lora in adapter.items():
+        if lora.stacked:
+            raise ValueError(
+                f"save_adapter: {path}: stacked LoRA A {tuple(lora.A.shape)}; PEFT's layout holds one "
+                "adapter per file: save each of fastaf.unstack(adapter) separately"
+            )
+        if not math.isfinite(lora.scale):
+            raise ValueError(f"save_adapter: {path}: scale {lora.scale} is not finite")
+        if config is not None and not _targets_match(config.targets, path):
+            raise ValueError(
+                f"save_adapter: {path} is not selected by config.targets={config.targets!r}; "
+                "PEFT would not create its layer and would drop its weights"
+            )
+    dropouts = {lora.dropout for lora in adapter.values()}
+    if len(dropouts) > 1:
+        raise ValueError(f"save_adapter: PEFT stores one lora_dropout per adapter, got {sorted(dropouts)}")
+    dropout = dropouts.pop()
+    if config is not None and config.dropout != dropout:
+        raise ValueError(f"save_adapter: config.dropout={config.dropout} but the adapter's LoRAs have {dropout}")
+    return dropout
+
+
+def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) -> dict[str, Any]:
+    """The adapter_config.json contents: a LoraConfig that rebuilds every rank and scale."""
+    rslora = config.rslora if config is not None else False
+    ranks = {p: l.rank for p, l in adapter.items()}
+    alphas = {p: _alpha_for(l.scale, l.rank, rslora) for p, l in adapter.items()}
+    if config is not None:
+        r, alpha, targets = config.r, config.alpha, config.targets
+    else:
+        r = collections.Counter(ranks.values()).most_common(1)[0][0]
+        alpha = collections.Counter(a for p, a in alphas.items() if ranks[p] == r).most_common(1)[0][0]
+        targets = sorted({p.rsplit(".", 1)[-1] for p in adapter})
+    keys = _pattern_keys(list(adapter))
+    rank_pattern = {keys[p]: ranks[p] for p in adapter if ranks[p] != r}
+    alpha_pattern = {
+        keys[p]: alphas[p] for p, l in adapter.items() if _peft_scale(alpha, ranks[p], rslora) != l.scale
+    }
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": None,
+        "revision": None,
+        "inference_mode": True,
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": targets if isinstance(targets, str) else list(targets),
+        "lora_dropout": dropout,
+        "use_rslora": rslora,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "bias": "none",
+        # PEFT sets fan_in_fan_out itself (with a warning) for GPT-2's Conv1D layers; the factors
+        # are stored (r, in) / (out, r) either way.
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+    }
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_adapter(adapter: Adapter, directory: str | os.PathLike, *, config: LoRAConfig | None = None) -> Path:
+    """Write ``adapter`` in PEFT's layout, loadable by ``peft.PeftModel.from_pretrained``.
+
+    Writes ``adapter_model.safetensors`` (each factor in its own dtype) and
+    ``adapter_config.json``. Each file is written to a temporary file in ``directory`` and
+    renamed into place, so a crash never leaves a partial file; other files there are kept.
+
+    Args:
+        adapter: an unstacked Adapter; all LoRAs share one dropout (PEFT has one per adapter).
+        directory: created if missing.
+        config: the LoRAConfig the adapter was made with. It supplies ``target_modules``,
+            ``use_rslora`` and the global ``r`` / ``lora_alpha``; without it the targets are the
+            last path components, rsLoRA is off and the most common rank is the global one.
+            Ranks and scales that differ from the global go to ``rank_pattern`` /
+            ``alpha_pattern``, so every LoRA's scale is reproduced.
+    Returns:
+        The directory.
+    """
+    dropout = _check_savable(adapter, config)
+    peft_config = _peft_config(adapter, config, dropout)
+    tensors = {}
+    for path, lora in adapter.items():
+        # copy=True: safetensors refuses tensors sharing storage (views from fastaf.unstack).
+        tensors[f"{_PREFIX}{path}.lora_A.weight"] = lora.A.detach().to("cpu", copy=True).contiguous()
+        tensors[f"{_PREFIX}{path}.lora_B.weight"] = lora.B.detach().to("cpu", copy=True).contiguous()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".fastaf-tmp-", dir=directory))  # same filesystem: rename is atomic
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
+        for name in (WEIGHTS_NAME, CONFIG_NAME):  # config last: it names what the weights mean
+            _fsync(tmp / name)
+            os.replace(tmp / name, directory / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+# ---- read ---------------------------------------------------------------------------------------
+
+
+def _is_repo_id(text: str) -> bool:
+    """``name`` or ``namespace/name`` as the hub spells repository ids."""
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and not text.startswith((".", "-"))
+
+
+def _resolve(source: str | os.PathLike, revision: str | None, token: str | bool | None) -> Path:
+    """A local directory holding the two files: ``source`` itself or a hub download."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"read_adapter: {str(path)!r} is a file; pass the directory that holds {CONFIG_NAME}")
+    if not _is_repo_id(str(source)):
+        raise FileNotFoundError(f"read_adapter: no directory {str(path)!r} (and it is not a hub repo id)")
+    try:
+        return _hub.download_files(str(source), [CONFIG_NAME, WEIGHTS_NAME], revision=revision, token=token)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        raise OSError(
+            f"read_adapter: {str(source)!r} is not a local directory, and downloading it from the hub "
+            f"failed: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    """adapter_config.json as a dict, checked to describe a plain LoRA."""
+    file = folder / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"read_adapter: {file} is missing; a PEFT adapter folder needs {CONFIG_NAME}")
+    try:
+        cfg = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"read_adapter: {file} is not valid JSON: {err}") from err
+    if not isinstance(cfg, dict):
+        raise ValueError(f"read_adapter: {file} must hold a JSON object, got {type(cfg).__name__}")
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"read_adapter: {file}: peft_type is {cfg.get('peft_type')!r}; fastaf reads LORA only")
+    for field, what in _UNSUPPORTED_CONFIG.items():
+        if cfg.get(field):
+            raise ValueError(
+                f"read_adapter: {file}: {field}={cfg[field]!r} ({what}) is not supported by fastaf; "
+                "refusing to load the adapter without it"
+            )
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"read_adapter: {file}: bias={cfg['bias']!r} (trained base biases) is not supported")
+    for field in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(field), (int, float)) or isinstance(cfg.get(field), bool):
+            raise ValueError(f"read_adapter: {file}: {field} must be a number, got {cfg.get(field)!r}")
+    return cfg
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    file = folder / WEIGHTS_NAME
+    if not file.is_file():
+        legacy = folder / "adapter_model.bin"
+        hint = f"; found {legacy.name}, a pickle, which fastaf does not load" if legacy.exists() else ""
+        raise FileNotFoundError(f"read_adapter: {file} is missing{hint}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"read_adapter: {file} is not a readable safetensors file (truncated or corrupted?): {err}"
+        ) from err
+
+
+def _split_key(key: str, file: Path) -> tuple[str, str]:
+    """``base_model.model.<path>.lora_A.weight`` -> (path, "A"); any other key is an error."""
+    if not key.startswith(_PREFIX):
+        raise ValueError(
+            f"read_adapter: {file}: key {key!r} lacks the {_PREFIX!r} prefix (PEFT would skip it "
+            "with only a warning, leaving that layer unadapted)"
+        )
+    for suffix, factor in _FACTOR_SUFFIXES.items():
+        if key.endswith(suffix) and len(key) > len(_PREFIX) + len(suffix):
+            return key[len(_PREFIX) : -len(suffix)], factor
+    what = next((w for frag, w in _UNSUPPORTED_KEYS.items() if frag in key), None)
+    why = f"holds {what}, which fastaf does not support" if what else "is not a LoRA factor"
+    raise ValueError(f"read_adapter: {file}: key {key!r} {why} (expected *.lora_A.weight / *.lora_B.weight)")
+
+
+def _pair_factors(tensors: Mapping[str, torch.Tensor], file: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{path: {"A": tensor, "B": tensor}}, with both factors present for every path."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        path, factor = _split_key(key, file)
+        pairs.setdefault(path, {})[factor] = tensor
+    for path, pair in pairs.items():
+        if len(pair) != 2:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise ValueError(f"read_adapter: {file}: {path} has no {missing}.weight ({_PREFIX}{path}.{missing}.weight)")
+    if not pairs:
+        raise ValueError(f"read_adapter: {file} holds no LoRA factors")
+    return pairs
+
+
+def _build_lora(path: str, A: torch.Tensor, B: torch.Tensor, cfg: Mapping[str, Any], file: Path) -> LoRA:
+    """One LoRA, its rank checked against r / rank_pattern and its scale from PEFT's formula."""
+    where = f"read_adapter: {file}: {path}"
+    for name, t in (("lora_A", A), ("lora_B", B)):
+        if t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{where}: {name} {tuple(t.shape)} {t.dtype} must be a 2-D float tensor")
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    rank_key, alpha_key = _pattern_key(rank_pattern, path), _pattern_key(alpha_pattern, path)
+    r = rank_pattern[rank_key] if rank_key is not None else cfg["r"]
+    alpha = alpha_pattern[alpha_key] if alpha_key is not None else cfg["lora_alpha"]
+    if A.shape[0] != r or B.shape[1] != r:
+        source = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "r"
+        raise ValueError(
+            f"{where}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not have rank {r} "
+            f"({source} in {CONFIG_NAME})"
+        )
+    if A.dtype != B.dtype:
+        raise ValueError(f"{where}: lora_A is {A.dtype} but lora_B is {B.dtype}")
+    scale = _peft_scale(alpha, r, bool(cfg.get("use_rslora", False)))
+    try:
+        return LoRA(A, B, scale, float(cfg.get("lora_dropout") or 0.0))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def _natural_key(path: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10`` (model order for numbered layers)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split(".")]
+
+
+def _place(adapter: Adapter, model: nn.Module | None, device: torch.device | str | None) -> Adapter:
+    """Move the factors to ``device``, or to each module's weight device when a model is given."""
+    if device is not None:
+        return adapter.map(lambda p, l: LoRA(l.A.to(device), l.B.to(device), l.scale, l.dropout))
+    if model is None:
+        return adapter
+    modules = dict(model.named_modules())
+
+    def to_module(path: str, lora: LoRA) -> LoRA:
+        weight = getattr(modules.get(path), "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return lora  # adapter_mode below names the bad path
+        return LoRA(lora.A.to(weight.device), lora.B.to(weight.device), lora.scale, lora.dropout)
+
+    return adapter.map(to_module)
+
+
+def read_adapter(
+    dir_or_repo_id: str | os.PathLike,
+    *,
+    model: nn.Module | None = None,
+    device: torch.device | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Adapter:
+    """Read a PEFT LoRA adapter (what ``save_pretrained`` or ``fastaf.save_adapter`` wrote).
+
+    Ranks come from the tensors and must agree with ``r`` / ``rank_pattern``; each scale is
+    PEFT's ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), ``alpha_pattern`` included;
+    ``lora_dropout`` becomes every LoRA's dropout. Factors keep the file's dtype.
+
+    Args:
+        dir_or_repo_id: a local directory, or a hub repository id (``"user/name"``) downloaded
+            with huggingface_hub (its cache, ``HF_ENDPOINT`` and token apply).
+        model: when given, every path must be a linear module of ``model`` with matching
+            in/out features (checked now, not at the first call), and the factors go to each
+            module's weight device.
+        device: where to put the factors (overrides the model's devices); default CPU.
+        revision: hub branch, tag or commit (hub ids only).
+        token: hub token (hub ids only).
+    Raises:
+        FileNotFoundError: no such directory, or a file of the pair is missing.
+        ValueError: corrupted or truncated safetensors, invalid config, unsupported PEFT
+            features, keys that are not LoRA factors, ranks that disagree with the config, or
+            (with ``model``) paths and shapes that do not fit the model.
+    """
+    folder = _resolve(dir_or_repo_id, revision, token)
+    cfg = _read_config(folder)
+    file = folder / WEIGHTS_NAME
+    pairs = _pair_factors(_read_tensors(folder), file)
+    paths = sorted(pairs, key=_natural_key)
+    adapter = Adapter({p: _build_lora(p, pairs[p]["A"], pairs[p]["B"], cfg, file) for p in paths})
+    adapter = _place(adapter, model, device)
+    if model is not None:
+        try:
+            adapter_mode(model, adapter)  # validates paths, layer types, shapes and devices; changes nothing
+        except ValueError as err:
+            raise ValueError(f"read_adapter: {file} does not fit {type(model).__name__}: {err}") from err
+    return adapter
