@@ -31,6 +31,7 @@ from torch import nn
 
 from . import _hub
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode
+from .functional._modules import selects
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -122,7 +123,7 @@ def _targets_match(targets: str | tuple[str, ...], path: str) -> bool:
     """Whether PEFT's ``target_modules`` selects ``path`` ("all-linear" cannot be checked here)."""
     if isinstance(targets, str):
         return targets == "all-linear" or re.fullmatch(targets, path) is not None
-    return any(path == t or path.endswith("." + t) for t in targets)
+    return any(selects(t, path) for t in targets)
 
 
 def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:

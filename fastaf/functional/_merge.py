@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._adapter import Adapter, LoRA, _as_scalar
-from ._modules import LinearSpec, linear_spec
+from ._modules import LinearSpec, linear_spec, selects
 
 METHODS = ("linear", "cat", "svd", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 _DENSE = frozenset({"ties", "dare_linear", "dare_ties", "magnitude_prune"})  # need `density`
@@ -493,7 +493,7 @@ def _changed_paths(
         if not name.endswith(".weight") or weight.dim() != 2 or not weight.is_floating_point():
             continue
         path = name[: -len(".weight")]
-        hits = [n for n in names if path == n or path.endswith("." + n)] if names is not None else []
+        hits = [n for n in names if selects(n, path)] if names is not None else []
         if names is not None and not hits:
             continue
         if layouts is not None and layouts.get(path) is None:

@@ -44,6 +44,11 @@ def _output_embedding_paths(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if head is not None and m is head}
 
 
+def selects(target: str, path: str) -> bool:
+    """PEFT's list rule: ``target`` selects a module path equal to it or ending in ``.target``."""
+    return path == target or path.endswith("." + target)
+
+
 def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
     """Module paths that ``targets`` selects, the way PEFT's ``target_modules`` does.
 
@@ -66,7 +71,7 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
     else:
         paths, unmatched = [], []
         for t in targets:
-            hits = [p for p in named if p == t or p.endswith("." + t)]
+            hits = [p for p in named if selects(t, p)]
             if not hits:
                 unmatched.append(t)
             paths.extend(hits)
