@@ -17,9 +17,9 @@ Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stan
 active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
 active one applies.
 
-Known limit: activation checkpointing recomputes layers outside ``model.forward``'s mode, so
-``gradient_checkpointing_enable()`` does not combine with this layer (non-reentrant checkpointing
-raises a CheckpointError; reentrant gives no adapter gradients).
+Activation checkpointing re-runs layers during backward, outside ``model.forward``'s mode: enable
+it with ``context_fn=fastaf.functional.checkpoint_context`` (non-reentrant), which replays the
+adapter for the recompute; without it non-reentrant checkpointing raises a CheckpointError.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The pure functional core: adapter pytrees, the fused ops, ``functional_call`` and merging."""
 from ._adapter import Adapter, LoRA
-from ._call import adapter_mode, functional_call
+from ._call import adapter_mode, checkpoint_context, functional_call
 from ._config import LoRAConfig, init_adapter
 from ._lora_linear import lora_linear
 from ._merge import extract_adapter, merge, merge_into
@@ -11,6 +11,7 @@ __all__ = [
     "LoRA",
     "LoRAConfig",
     "adapter_mode",
+    "checkpoint_context",
     "extract_adapter",
     "functional_call",
     "init_adapter",

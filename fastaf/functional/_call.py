@@ -10,6 +10,7 @@ through it (checked with ``torch._dynamo.explain`` in the tests).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
@@ -150,6 +151,26 @@ def adapter_mode(
     ``params`` names the tensors that will stand in for the model's own during the call.
     """
     return _LoRAMode(_routes(model, adapter, dict(params or {})), impl)
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint`` that replays the adapter during recompute.
+
+    Activation checkpointing re-runs a layer's forward during backward, after ``functional_call``
+    (or ``model(...)`` of a ``fastaf.init`` model) has left its adapter mode; without the adapter
+    the recompute differs from the forward (non-reentrant checkpointing raises a CheckpointError).
+    Pass this function as ``context_fn``::
+
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
+
+    It is called at forward time, captures the active fastaf mode, and re-enters it for the
+    recompute.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _LoRAMode)]
+    return contextlib.nullcontext(), (modes[-1] if modes else contextlib.nullcontext())
 
 
 def functional_call(

@@ -13,7 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastaf.kernels.dropout_hash import HASH_MULT_1, HASH_MULT_2, SEED_MULT
+from fastaf.kernels import dropout_hash
+
+# jit functions may only read globals that are tl.constexpr (the interpreter is laxer)
+SEED_MULT = tl.constexpr(dropout_hash.SEED_MULT)
+HASH_MULT_1 = tl.constexpr(dropout_hash.HASH_MULT_1)
+HASH_MULT_2 = tl.constexpr(dropout_hash.HASH_MULT_2)
 
 
 @triton.jit

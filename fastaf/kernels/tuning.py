@@ -109,8 +109,7 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
         put("bwd_da", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "dispatch" in kernels:
         _cache.save(data)  # the fused path below reads the configs just tuned
-        _cache.forget()
-        ll._config_memo.clear()
+        ll.clear_memos()
         key = ll._key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
         for phase, fn in (
             ("fwd", lambda impl: ll.lora_linear_fwd(x, w, None, a, b, 2.0, 0.0, None, impl=impl)),
@@ -140,6 +139,5 @@ def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, 
         tune_shape(s, dtype, kernels, data, rep_ms=rep_ms, log=log)
         _cache.save(data, path)
         torch.cuda.empty_cache()
-    _cache.forget()
-    ll._config_memo.clear()
+    ll.clear_memos()
     return data

@@ -206,3 +206,22 @@ def test_bad_input_names_the_path():
         fa.functional_call(base, fa.stack([ad, ad]), (ids,))
     with pytest.raises(TypeError, match="adapter must be"):
         fa.functional_call(base, {"x": 1}, (ids,))
+
+
+def test_gradient_checkpointing_with_checkpoint_context():
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj", "v_proj"])
+    ids = token_batch()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss
+    want = torch.func.grad(loss)(ad)
+    ckpt = tiny_llama()
+    ckpt.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": fa.functional.checkpoint_context}
+    )
+    ckpt.train()
+    ckpt.config.use_cache = False
+    leaves = [t.clone().requires_grad_() for t in torch.utils._pytree.tree_leaves(ad)]
+    ad2 = torch.utils._pytree.tree_unflatten(leaves, torch.utils._pytree.tree_structure(ad))
+    fa.functional_call(ckpt, ad2, (ids,), {"labels": ids}).loss.backward()
+    for (path, lora), A in zip(want.items(), leaves[::2]):
+        assert rel_err(A.grad, lora.A) < RTOL, path

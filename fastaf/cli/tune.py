@@ -1,0 +1,119 @@
+"""``fastaf-tune``: tune fastaf's Triton kernels for a model's layer shapes on this GPU.
+
+    fastaf-tune                                   # BENCH.md shapes, tokens 2048/8192/16384, r 16/64
+    fastaf-tune --model-config config.json --tokens 8192 --ranks 16
+    fastaf-tune --shapes 4096x4096,4096x14336 --kernels gemm,dispatch
+    fastaf-tune --list | --clear
+
+Results go to $FASTAF_CACHE_DIR (default ~/.cache/fastaf)/tune-<gpu>-triton<version>.json;
+kernels read them at launch (nearest tuned shape, else a default), and impl="auto" reads the
+recorded fused-vs-addmm winners.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from fastaf.kernels import _cache
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        k, n = item.lower().split("x")
+        out.append((int(k), int(n)))
+    return out
+
+
+def _model_shapes(path_or_json: str) -> list[tuple[int, int]]:
+    from fastaf.kernels.tuning import shapes_from_model_config
+
+    text = path_or_json if path_or_json.lstrip().startswith("{") else Path(path_or_json).read_text()
+    cfg = json.loads(text)
+    cfg = cfg.get("text_config", cfg)  # multimodal HF configs nest the language model's
+    return [(k, n) for _, k, n in shapes_from_model_config(cfg)]
+
+
+def _list() -> int:
+    files = sorted(_cache.cache_dir().glob("tune-*.json"))
+    if not files:
+        print(f"no tuning caches under {_cache.cache_dir()}")
+    for f in files:
+        data = _cache.load(f)
+        if data is None:
+            print(f"{f}: unreadable (ignored)")
+            continue
+        counts = {name: len(v) for sec in ("kernels", "dispatch") for name, v in data[sec].items()}
+        print(f"{f}\n  gpu={data['gpu']} triton={data['triton']} date={data.get('date')}")
+        for name, n in sorted(counts.items()):
+            print(f"  {name:24s} {n} shapes")
+        for phase in ("fwd", "bwd"):
+            for e in data["dispatch"].get(f"lora_linear.{phase}", []):
+                k = e["key"]
+                print(f"    {phase} M={k['M']} K={k['K']} N={k['N']} r={k['R']} {k['dtype']}: {e['winner']}")
+    return 0
+
+
+def _clear() -> int:
+    files = sorted(_cache.cache_dir().glob("tune-*.json"))
+    for f in files:
+        f.unlink()
+        print(f"removed {f}")
+    _cache.forget()
+    if not files:
+        print(f"nothing to clear under {_cache.cache_dir()}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from fastaf.kernels.tuning import BENCH_RANKS, BENCH_SHAPES, BENCH_TOKENS, KERNELS
+
+    p = argparse.ArgumentParser(prog="fastaf-tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-config", help="HF config.json path, or its JSON text")
+    p.add_argument("--shapes", type=_shapes, help="comma-separated KxN (in x out), e.g. 4096x14336")
+    p.add_argument("--tokens", type=_ints, default=BENCH_TOKENS, help="M values (default %(default)s)")
+    p.add_argument("--ranks", type=_ints, default=BENCH_RANKS, help="LoRA ranks (default %(default)s)")
+    p.add_argument("--kernels", default=",".join(KERNELS), help="subset of %(default)s")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--rep-ms", type=int, default=20, help="do_bench rep per config (ms)")
+    p.add_argument("--budget-s", type=float, default=280.0, help="stop starting new shapes after this")
+    p.add_argument("--list", action="store_true", help="show the cache files and what they hold")
+    p.add_argument("--clear", action="store_true", help="delete every cache file")
+    args = p.parse_args(argv)
+
+    if args.list:
+        return _list()
+    if args.clear:
+        return _clear()
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        p.error(f"unknown kernels {unknown}; choose from {list(KERNELS)}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fastaf-tune: no CUDA GPU; nothing to tune (the CPU path runs the torch reference)", file=sys.stderr)
+        return 1
+    from fastaf.kernels.tuning import tune
+
+    shapes = args.shapes or (_model_shapes(args.model_config) if args.model_config else BENCH_SHAPES)
+    t0 = time.time()
+    print(f"fastaf-tune: {torch.cuda.get_device_name()}  shapes {shapes}  tokens {args.tokens}  "
+          f"ranks {args.ranks}  kernels {kernels}", flush=True)
+    tune(shapes, args.tokens, args.ranks, dtype=getattr(torch, args.dtype), kernels=kernels,
+         rep_ms=args.rep_ms, budget_s=args.budget_s, log=lambda s: print(s, flush=True))
+    print(f"done in {time.time() - t0:.0f} s -> {_cache.cache_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
