@@ -1,0 +1,118 @@
+"""Tuning cache, dispatch table and fastaf-tune's offline commands, on CPU in a temp dir."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastaf.cli import tune as cli
+from fastaf.kernels import _cache, _dispatch
+from fastaf.kernels.tuning import shapes_from_model_config
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTAF_CACHE_DIR", str(tmp_path))
+    _cache.forget()
+    yield tmp_path
+    _cache.forget()
+
+
+def _data():
+    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    gemm = data["kernels"].setdefault("lora_linear.gemm", [])
+    for M, bm in ((2048, 64), (8192, 128), (16384, 256)):
+        _cache.upsert(gemm, {"key": {"M": M, "N": 4096, "K": 4096, "R": 16, "dtype": "bfloat16"},
+                             "config": {"BLOCK_M": bm}})
+    _cache.upsert(data["dispatch"].setdefault("lora_linear.fwd", []),
+                  {"key": {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}, "winner": "triton"})
+    return data
+
+
+def test_roundtrip_and_path(tmp_cache):
+    path = _cache.save(_data())
+    assert path.parent == tmp_cache and path.name.startswith(f"tune-{_cache.slug(_cache.device_name())}-triton")
+    _cache.forget()
+    assert _cache.load(path) == json.loads(path.read_text())
+
+
+def test_nearest_shape():
+    _cache.save(_data())
+    key = {"M": 9000, "N": 4096, "K": 4096, "R": 16, "dtype": "bfloat16"}
+    assert _cache.lookup("kernels", "lora_linear.gemm", key)["config"]["BLOCK_M"] == 128
+    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 100})["config"]["BLOCK_M"] == 64
+    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 10**6})["config"]["BLOCK_M"] == 256
+    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "dtype": "float16"}) is None  # dtype must match
+    assert _cache.lookup("kernels", "lora_linear.fwd_h", key) is None
+
+
+def test_upsert_replaces_same_key():
+    entries = []
+    _cache.upsert(entries, {"key": {"M": 1}, "config": 1})
+    _cache.upsert(entries, {"key": {"M": 1}, "config": 2})
+    _cache.upsert(entries, {"key": {"M": 2}, "config": 3})
+    assert [e["config"] for e in entries] == [2, 3]
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"version": 999}), json.dumps([1, 2])])
+def test_corrupt_file_warns_and_is_ignored(tmp_cache, text):
+    path = _cache.cache_path()
+    path.write_text(text)
+    with pytest.warns(UserWarning, match="tuning cache"):
+        assert _cache.lookup("kernels", "lora_linear.gemm", {"M": 1, "dtype": "bfloat16"}) is None
+    # the launcher's default then applies; the dispatch falls back too
+    assert _dispatch.choose("lora_linear", "fwd", {"M": 1, "K": 1, "N": 1, "R": 1, "dtype": "bfloat16"}, "x") == "addmm"
+
+
+def test_malformed_entries_warn():
+    data = _data()
+    data["kernels"]["lora_linear.gemm"] = [{"key": {"M": "oops", "N": 3}}, {"key": {"M": 5, "N": [1]}}]
+    _cache.save(data)
+    with pytest.warns(UserWarning, match="malformed"):
+        assert _cache.lookup("kernels", "lora_linear.gemm", {"M": 5, "N": 3}) is None
+
+
+def test_dispatch_prefers_tuned_winner(monkeypatch):
+    key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}
+    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA H100 80GB HBM3") == "addmm"  # empty cache, no rows
+    monkeypatch.setattr(_dispatch, "TABLE", {"H100": {"bfloat16": {"fwd": [
+        {"M": 2048, "K": 4096, "N": 4096, "R": 16, "impl": "addmm"},
+        {"M": 8192, "K": 4096, "N": 4096, "R": 16, "impl": "triton"}]}}})
+    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, "NVIDIA H100 80GB HBM3") == "triton"
+    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 1024}, "NVIDIA H100 80GB HBM3") == "addmm"
+    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA A100") == "addmm"  # other GPU family
+    data = _data()
+    data["dispatch"]["lora_linear.fwd"][0]["winner"] = "addmm"
+    _cache.save(data)
+    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA H100 80GB HBM3") == "addmm"  # cache wins
+
+
+def test_model_config_shapes():
+    cfg = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8}
+    shapes = shapes_from_model_config(cfg)
+    assert shapes == [("q_proj", 2048, 2048), ("k_proj", 2048, 512), ("gate_proj", 2048, 8192),
+                      ("down_proj", 8192, 2048)]
+    assert ("k_proj", 2048, 1024) in shapes_from_model_config({**cfg, "head_dim": 128, "num_attention_heads": 16})
+
+
+def test_cli_list_and_clear(tmp_cache, capsys):
+    _cache.save(_data())
+    (tmp_cache / "tune-broken-triton0.json").write_text("{")
+    with pytest.warns(UserWarning):
+        assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "lora_linear.gemm" in out and "unreadable" in out and "fwd M=8192" in out
+    assert cli.main(["--clear"]) == 0
+    assert not list(tmp_cache.glob("tune-*.json"))
+
+
+def test_cli_rejects_unknown_kernel():
+    with pytest.raises(SystemExit):
+        cli.main(["--kernels", "nope"])
+
+
+def test_cli_shape_parsing(tmp_path):
+    assert cli._shapes("4096x14336,14336X4096") == [(4096, 14336), (14336, 4096)]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}))
+    assert cli._model_shapes(str(cfg)) == [(64, 64), (64, 128), (128, 64)]

@@ -1,0 +1,178 @@
+"""fastaf.kernels.lora_linear against an fp64 torch reference.
+
+CPU (TRITON_INTERPRET=1): fp32 at odd shapes, both gemm variants (TMA descriptors and plain
+pointers), every gradient, dropout, bias, transposed weights, needs_dx=False, bad inputs.
+GPU (marker `gpu`): bf16 / fp16 at real sizes, the persistent TMA path and impl="auto".
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+
+from fastaf.kernels import lora_linear as ll
+from fastaf.kernels.dropout_hash import keep_mask
+from tests._tolerances import assert_close
+
+HAS_CUDA = torch.cuda.is_available()
+CAN_TRITON = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not CAN_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def reference(x, weight, bias, a, b, scale, p, seed, dy):
+    """fp64 forward and backward: (y, h, dx, da, db)."""
+    x, weight, a, b, dy = (t.double() for t in (x, weight, a, b, dy))
+    M, K = x.shape
+    mask = keep_mask(seed, M, K, p, x.device).double() / (1 - p) if p > 0 else torch.ones_like(x)
+    h = (x * mask) @ a.T
+    y = x @ weight.T + scale * h @ b.T
+    if bias is not None:
+        y = y + bias.double()
+    dh = scale * dy @ b
+    return y, h, dy @ weight + mask * (dh @ a), dh.T @ (x * mask), scale * dy.T @ h
+
+
+def make(M, K, N, R, dtype, device, *, bias=True, p=0.0, weight_t=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    x = rnd(M, K)
+    # weight_t: the (N, K) weight is a transposed view of a contiguous (K, N) tensor (GPT-2 Conv1D)
+    weight = rnd(K, N).T if weight_t else rnd(N, K)
+    weight = weight / K**0.5
+    a = rnd(R, K) / K**0.5
+    b = rnd(N, R)
+    dy = rnd(M, N)
+    seed_t = torch.tensor([1234 + seed], dtype=torch.int64, device=device) if p > 0 else None
+    return x, weight, rnd(N) if bias else None, a, b, dy, seed_t
+
+
+def check(M, K, N, R, *, dtype=torch.float32, device="cpu", bias=True, p=0.0, weight_t=False,
+          needs_dx=True, impl="triton", use_tma: Optional[bool] = None, key=None, scale=0.5):
+    key = dtype if key is None else key
+    x, weight, bias_t, a, b, dy, seed = make(M, K, N, R, dtype, device, bias=bias, p=p, weight_t=weight_t)
+    inputs = [t.clone() for t in (x, weight, a, b, dy)]
+    if use_tma is None:
+        y, h = ll.lora_linear_fwd(x, weight, bias_t, a, b, scale, p, seed, impl=impl)
+        dx, da, db = ll.lora_linear_bwd(dy, x, weight, a, b, h, scale, p, seed, needs_dx, impl=impl)
+    else:  # drive the kernels directly to pin the gemm variant
+        h = ll.fwd_h(x, a, p, seed)
+        y = ll.gemm(x, weight.T, h, b.T, bias_t, scale, 0.0, None, dtype, use_tma=use_tma)
+        dh, db = ll.bwd_dy(dy, b, h, scale)
+        da, db = ll.bwd_da(dh, x, p, seed).to(dtype), db.to(dtype)  # the kernels reduce in fp32
+        dx = ll.gemm(dy, weight, dh, a, None, 1.0, p, seed, dtype, use_tma=use_tma) if needs_dx else None
+    y_r, h_r, dx_r, da_r, db_r = reference(x, weight, bias_t, a, b, scale, p, seed, dy)
+    assert y.dtype == h.dtype == da.dtype == db.dtype == dtype
+    assert_close(y, y_r, key, "y")
+    assert_close(h, h_r, key, "h")
+    assert_close(da, da_r, key, "da")
+    assert_close(db, db_r, key, "db")
+    if needs_dx:
+        assert dx.dtype == dtype
+        assert_close(dx, dx_r, key, "dx")
+    else:
+        assert dx is None
+    for before, after in zip(inputs, (x, weight, a, b, dy)):
+        assert torch.equal(before, after), "a launcher wrote into its input"
+
+
+# (M, K, N) odd everywhere for the plain-pointer variant; TMA needs 16-byte row strides
+# (K, N multiples of 4 in fp32) but M and the block tails stay odd.
+PLAIN = (37, 45, 29)
+TMA = (37, 44, 28)
+
+CASES = [  # (R, bias, dropout_p, weight_t, needs_dx)
+    (1, True, 0.0, False, True),
+    (3, False, 0.25, False, True),
+    (16, True, 0.0, True, True),
+    (3, True, 0.5, True, False),
+    (16, False, 0.1, False, True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("R,bias,p,weight_t,needs_dx", CASES)
+@pytest.mark.parametrize("use_tma", [False, True], ids=["plain", "tma"])
+def test_triton_matches_reference(R, bias, p, weight_t, needs_dx, use_tma):
+    device = "cuda" if HAS_CUDA else "cpu"
+    key = "tf32" if HAS_CUDA and torch.backends.cuda.matmul.allow_tf32 else torch.float32
+    check(*(TMA if use_tma else PLAIN), R, device=device, bias=bias, p=p, weight_t=weight_t,
+          needs_dx=needs_dx, use_tma=use_tma, key=key)
+
+
+@needs_triton
+@pytest.mark.parametrize("R", [3, 16])
+def test_launchers_triton(R):
+    """The public launchers with impl='triton' (the variant they pick for these strides)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    check(*PLAIN, R, device=device, p=0.2, impl="triton")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_addmm_path_matches_reference(p):
+    check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
+
+
+def test_available():
+    assert ll.available(torch.empty(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.parametrize("bad", ["x_dtype", "x_int", "weight_dtype", "a_shape", "bias_shape", "seed"])
+def test_bad_inputs(bad):
+    x, weight, bias, a, b, dy, _ = make(8, 16, 12, 4, torch.float32, "cpu")
+    seed, p = None, 0.0
+    if bad == "x_dtype":
+        x, weight, a, b, bias = (t.double() for t in (x, weight, a, b, bias))
+    elif bad == "x_int":
+        x = x.to(torch.int32)
+    elif bad == "weight_dtype":
+        weight = weight.half()
+    elif bad == "a_shape":
+        a = a[:, :-1]
+    elif bad == "bias_shape":
+        bias = bias[:-1]
+    elif bad == "seed":
+        p = 0.1
+    with pytest.raises(ValueError) as err:
+        ll.lora_linear_fwd(x, weight, bias, a, b, 1.0, p, seed, impl="addmm")
+    if bad in ("x_dtype", "x_int", "weight_dtype"):
+        msg = str(err.value)
+        assert "dtype" in msg and ("x" in msg or "weight" in msg) and "(" in msg  # names tensor, shape, dtype
+
+
+@pytest.mark.parametrize("R", [1, 3, 16, 64, 100])
+def test_r_pad(R):
+    pad = ll._r_pad(R)
+    assert pad >= max(R, 16) and pad & (pad - 1) == 0
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R", [16, 64])
+@pytest.mark.parametrize("M", [4096, 4099])
+def test_gpu_real_sizes(dtype, R, M):
+    check(M, 4096, 4096, R, dtype=dtype, device="cuda", p=0.1 if R == 16 else 0.0, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_gpu_tma_persistent(weight_t):
+    """Both TMA weight layouts of the persistent gemm, against the plain variant and fp64."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need Hopper")
+    check(2048 + 5, 1024, 3072, 16, dtype=torch.bfloat16, device="cuda", weight_t=weight_t, p=0.1, use_tma=True)
+    check(2048 + 5, 1024, 3072, 16, dtype=torch.bfloat16, device="cuda", weight_t=weight_t, use_tma=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_auto_and_fp32():
+    check(1000, 512, 768, 8, dtype=torch.bfloat16, device="cuda", impl="auto", p=0.1)
+    check(1000, 512, 768, 8, dtype=torch.float32, device="cuda", impl="triton",
+          key="tf32" if torch.backends.cuda.matmul.allow_tf32 else torch.float32)
