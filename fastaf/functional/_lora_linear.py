@@ -118,8 +118,7 @@ def _single_group(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or t.shape[0] == 1 for t in tensors)
 
 
-@torch.library.custom_op("fastaf::lora_linear_fwd", mutates_args=())
-def lora_linear_fwd(
+def _fwd_impl(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -142,6 +141,9 @@ def lora_linear_fwd(
     return reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed)
 
 
+lora_linear_fwd = torch.library.custom_op("fastaf::lora_linear_fwd", mutates_args=())(_fwd_impl)
+
+
 @lora_linear_fwd.register_fake
 def _(x, weight, bias, a, b, scale, dropout_p, seed, impl):
     G = _group_size(x, weight, bias, a, b, seed)
@@ -149,8 +151,7 @@ def _(x, weight, bias, a, b, scale, dropout_p, seed, impl):
     return x.new_empty(G, M, N), x.new_empty(G, M, R)
 
 
-@torch.library.custom_op("fastaf::lora_linear_bwd", mutates_args=())
-def lora_linear_bwd(
+def _bwd_impl(
     dy: Tensor,
     x: Tensor,
     weight: Tensor,
@@ -172,6 +173,9 @@ def lora_linear_bwd(
         dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
         return dx, da[None], db[None]
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
+
+
+lora_linear_bwd = torch.library.custom_op("fastaf::lora_linear_bwd", mutates_args=())(_bwd_impl)
 
 
 @lora_linear_bwd.register_fake
@@ -226,6 +230,25 @@ def _(info, in_dims, dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, i
 # ---- 3. the differentiable op -----------------------------------------------------------------
 
 
+def _plain_eager(*tensors: Optional[Tensor]) -> bool:
+    """True in plain eager autograd: no torch.func transform, no tracing, no dispatch mode, and
+    plain tensors only.
+
+    There the op boundary serves nobody, and crossing it costs host time on every layer (the
+    Python custom-op dispatch measured ~80 us per call on the CI machine, and
+    ``Function.apply``'s ``inspect.signature`` ~100 us), which is what bounds small-M calls on a
+    GPU. So plain eager calls the op implementations directly; ``torch.compile``, ``torch.func``
+    and dispatch modes still see the registered ops, their fakes and vmap rules.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._len_torch_dispatch_stack() > 0
+    ):
+        return False
+    return all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+
+
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Reduce a per-group gradient (G, ...) to an input that broadcast over groups (1, ...)."""
     return grad.sum(0, keepdim=True) if grad.shape[0] != shape[0] else grad
@@ -236,7 +259,8 @@ class _LoRALinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, a, b, scale, dropout_p, seed, impl):
-        return torch.ops.fastaf.lora_linear_fwd(x, weight, bias, a, b, scale, dropout_p, seed, impl)
+        fwd = _fwd_impl if _plain_eager(x, weight, bias, a, b, seed) else torch.ops.fastaf.lora_linear_fwd
+        return fwd(x, weight, bias, a, b, scale, dropout_p, seed, impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -253,10 +277,9 @@ class _LoRALinearFn(torch.autograd.Function):
         # First-order only: torch.func.grad runs backward with create_graph=True, and the op's
         # default autograd kernel would then wrap it in an old-style Function that functorch
         # rejects. no_grad keeps the call a plain op call.
+        bwd = _bwd_impl if _plain_eager(dy, x, weight, a, b, h, seed) else torch.ops.fastaf.lora_linear_bwd
         with torch.no_grad():
-            dx, da, db = torch.ops.fastaf.lora_linear_bwd(
-                dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl
-            )
+            dx, da, db = bwd(dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl)
         # The frozen base weight and bias get gradients only when they ask for them.
         dweight = _sum_to(_t(dy) @ x, weight.shape) if needs[1] else None
         dbias = _sum_to(dy.sum(1), ctx.bias_shape) if needs[2] else None
@@ -346,7 +369,7 @@ def lora_linear(
     lead, K = x.shape[:-1], x.shape[-1]
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
-    y, _ = _LoRALinearFn.apply(
+    args = (
         x.reshape(1, -1, K),
         weight[None],
         None if bias is None else bias[None],
@@ -357,4 +380,9 @@ def lora_linear(
         seed,
         impl,
     )
+    if _plain_eager(*args[:5]):
+        # Function.apply would only add argument binding (inspect.signature) on top of this.
+        y, _ = super(torch.autograd.Function, _LoRALinearFn).apply(*args)
+    else:
+        y, _ = _LoRALinearFn.apply(*args)
     return y.reshape(*lead, weight.shape[0])

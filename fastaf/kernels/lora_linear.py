@@ -400,15 +400,17 @@ def _device_info(index: int) -> tuple[str, int, int]:
     return props.name, props.multi_processor_count, props.major
 
 
-_allocator_set = False
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_allocator() -> None:
-    """Device-side TMA descriptors need global scratch; Triton gets it from this allocator."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-        _allocator_set = True
+    """Device-side TMA descriptors need global scratch; Triton gets it from this allocator.
+
+    Set before every launch, not once: Triton keeps the allocator in a ContextVar, and the
+    backward runs on autograd's own thread, where a once-set allocator is not visible.
+    """
+    triton.set_allocator(_torch_scratch)
 
 
 def _tma_ready(*views: tuple[torch.Tensor, int]) -> bool:
