@@ -2,7 +2,9 @@
 
     python bench/bench_linear.py [--quick] [--providers base,addmm,fastaf] [--no-check]
 
-Providers (BENCH.md): base, eager, addmm (hand-written backward), compile, peft (bf16 adapters),
+Providers (BENCH.md): base, eager, addmm (an autograd.Function with a hand-written backward, as
+unsloth's; every provider but the fastaf-kernels/-triton diagnostics pays autograd's host cost),
+compile, peft (bf16 adapters),
 fastaf (public op ``fastaf.functional.lora_linear``, impl="auto"; falls back to the kernel
 launchers when the package's top level does not import), plus fastaf-kernels (launchers,
 impl="auto", no op boundary) and fastaf-triton (launchers forced to impl="triton"), so the
@@ -44,6 +46,27 @@ def _public_op():
         return None
 
 
+class _AddmmLoRA(torch.autograd.Function):
+    """The unsloth / axolotl path: cuBLAS base + ``addmm_`` of the LoRA term, hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, W, A, B, s):
+        h = x @ A.T  # (M, R)
+        y = F.linear(x, W).addmm_(h, B.T, alpha=s)
+        ctx.save_for_backward(x, W, A, B, h)
+        ctx.s = s
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, W, A, B, h = ctx.saved_tensors
+        dh = (dy @ B).mul_(ctx.s)  # (M, R)
+        dB = (dy.T @ h).mul_(ctx.s)  # (N, R)
+        dA = dh.T @ x  # (R, K)
+        dx = (dy @ W).addmm_(dh, A)  # (M, K)
+        return dx, None, dA, dB, None
+
+
 def make_providers(W, A, B, s, K, N, r, names, public):
     """{name: (fwd(x, dy), fwd_bwd(x, dy))}; fwd returns y, fwd_bwd returns (dx, dA, dB)."""
     Ag, Bg = torch.nn.Parameter(A.clone()), torch.nn.Parameter(B.clone())  # Parameters: PEFT shares them
@@ -77,7 +100,7 @@ def make_providers(W, A, B, s, K, N, r, names, public):
         elif name == "compile":
             out[name] = autograd_pair(torch.compile(eager, dynamic=False))
         elif name == "addmm":
-            out[name] = kernels("addmm")
+            out[name] = autograd_pair(lambda x: _AddmmLoRA.apply(x, W, Ag, Bg, s))
         elif name == "fastaf-kernels":
             out[name] = kernels("auto")
         elif name == "fastaf-triton":

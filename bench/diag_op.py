@@ -69,5 +69,32 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 
 
+
+
+def host_profile(M: int = 8192, K: int = 4096, N: int = 4096, r: int = 16) -> None:
+    """cProfile of the public op's fwd+bwd: where the host time goes."""
+    import cProfile
+    import pstats
+
+    dev, dt = "cuda", torch.bfloat16
+    xg = torch.randn(M, K, device=dev, dtype=dt, requires_grad=True)
+    W = torch.randn(N, K, device=dev, dtype=dt) / math.sqrt(K)
+    A = (torch.randn(r, K, device=dev, dtype=dt) / math.sqrt(K)).requires_grad_()
+    B = (torch.randn(N, r, device=dev, dtype=dt) / math.sqrt(r)).requires_grad_()
+    dy = torch.randn(M, N, device=dev, dtype=dt)
+    lora = fa.LoRA(A, B, 2.0)
+    step = lambda: torch.autograd.grad(fa.functional.lora_linear(xg, W, None, lora), (xg, A, B), dy)  # noqa: E731
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 if __name__ == "__main__":
-    main()
+    host_profile() if "--host-profile" in sys.argv else main()

@@ -269,10 +269,13 @@ class _LoRALinearFn(torch.autograd.Function):
         ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # h is never differentiated: skip a zero-fill per backward
 
     @staticmethod
     def backward(ctx, dy, _dh):
         x, weight, a, b, h, seed = ctx.saved_tensors
+        if dy is None:
+            return (None,) * 9
         needs = ctx.needs_input_grad
         # First-order only: torch.func.grad runs backward with create_graph=True, and the op's
         # default autograd kernel would then wrap it in an old-style Function that functorch
