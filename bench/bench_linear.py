@@ -186,15 +186,16 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64
     shapes = QUICK if args.quick else [(M, K, N, r) for M in TOKENS for K, N in KN for r in RANKS]
     public = _public_op() if "fastaf" in names else None
-    tuned = _cache.load() is not None
-    print(f"{H.gpu_name()}  torch {torch.__version__}  tuned cache: {tuned} ({_cache.cache_path()})", flush=True)
+    tuned = _cache.load() is not None  # this machine's own fastaf-tune run
+    cache = str(_cache.cache_path()) if tuned else str(_cache.shipped_path() or "none (defaults)")
+    print(f"{H.gpu_name()}  torch {torch.__version__}  tuned: {tuned}  cache: {cache}", flush=True)
     rows: list[dict] = []
     for M, K, N, r in shapes:
         print(f"M={M} K={K} N={N} r={r}", flush=True)
         run_shape(M, K, N, r, names, public, not args.no_check, rows, 25, args.rep)
         # rewritten after every shape so a run cut short keeps what it measured
         path = H.write_results("linear" + ("-quick" if args.quick else ""), rows,
-                               {"tuned": tuned, "fastaf_public_op": public is not None, "rep_ms": args.rep})
+                               {"tuned": tuned, "cache": cache, "fastaf_public_op": public is not None, "rep_ms": args.rep})
     print(f"\nwrote {path}\ntime / base (fwd|fwd_bwd):")
     print(H.ratio_table(rows, ("M", "K", "N", "r"), [n for n in names if n != "base"]))
 

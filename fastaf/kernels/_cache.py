@@ -29,6 +29,7 @@ from typing import Any
 
 CACHE_VERSION = 1
 Key = dict[str, Any]
+SHIPPED_DIR = Path(__file__).parent / "tuned"  # caches measured by fastaf's maintainers, per GPU
 
 _memo: dict[Path, dict] = {}
 
@@ -151,9 +152,25 @@ def upsert(entries: list[dict], entry: dict) -> None:
     entries.append(entry)
 
 
-def lookup(section: str, name: str, key: Key, path: Path | None = None) -> dict | None:
-    """Nearest entry of ``data[section][name]`` for ``key``; None without a usable cache."""
-    data = load(path)
+def shipped_path(gpu: str | None = None) -> Path | None:
+    """The cache fastaf ships for ``gpu`` (default: this machine's): this triton's, else the newest."""
+    gpu = device_name() if gpu is None else gpu
+    exact = SHIPPED_DIR / f"tune-{slug(gpu)}-triton{triton_version()}.json"
+    if exact.exists():
+        return exact
+    files = sorted(SHIPPED_DIR.glob(f"tune-{slug(gpu)}-triton*.json"))
+    return files[-1] if files else None
+
+
+def lookup(section: str, name: str, key: Key, path: Path | None = None, gpu: str | None = None) -> dict | None:
+    """Nearest entry of ``data[section][name]`` for ``key``; None without a usable cache.
+
+    ``path=None`` reads this machine's cache (``gpu``, default this machine's GPU), falling back
+    to the cache fastaf ships for that GPU when the user has not tuned.
+    """
+    data = load(path if path is not None else cache_path(gpu))
+    if data is None and path is None and (shipped := shipped_path(gpu)) is not None:
+        data = load(shipped)
     if data is None:
         return None
     entries = data[section].get(name)

@@ -72,19 +72,31 @@ def test_malformed_entries_warn():
         assert _cache.lookup("kernels", "lora_linear.gemm", {"M": 5, "N": 3}) is None
 
 
-def test_dispatch_prefers_tuned_winner(monkeypatch):
+def test_dispatch_charges_triton_its_host_cost():
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}
-    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA H100 80GB HBM3") == "addmm"  # empty cache, no rows
-    monkeypatch.setattr(_dispatch, "TABLE", {"H100": {"bfloat16": {"fwd": [
-        {"M": 2048, "K": 4096, "N": 4096, "R": 16, "impl": "addmm"},
-        {"M": 8192, "K": 4096, "N": 4096, "R": 16, "impl": "triton"}]}}})
-    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, "NVIDIA H100 80GB HBM3") == "triton"
-    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 1024}, "NVIDIA H100 80GB HBM3") == "addmm"
-    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA A100") == "addmm"  # other GPU family
+    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA A100") == "addmm"  # no cache, none shipped
     data = _data()
-    data["dispatch"]["lora_linear.fwd"][0]["winner"] = "addmm"
+    entry = data["dispatch"]["lora_linear.fwd"][0]
+    entry["ms"] = {"triton": 0.30, "addmm": 0.45}  # wins by more than 2 launches' host time
     _cache.save(data)
-    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA H100 80GB HBM3") == "addmm"  # cache wins
+    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "triton"
+    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, _cache.device_name()) == "triton"  # nearest
+    entry["ms"] = {"triton": 0.40, "addmm": 0.45}  # faster on the GPU, not by enough to pay its launches
+    _cache.save(data)
+    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "addmm"
+
+
+def test_shipped_cache_is_the_fallback_and_user_cache_wins():
+    key = {"M": 16384, "K": 4096, "N": 14336, "R": 16, "dtype": "bfloat16"}
+    h200 = "NVIDIA H200"
+    assert _cache.shipped_path(h200) is not None
+    shipped = _cache.lookup("dispatch", "lora_linear.fwd", key, gpu=h200)
+    assert shipped is not None and shipped["key"]["M"] == 16384
+    assert _dispatch.choose("lora_linear", "fwd", key, h200) == _dispatch.decide("fwd", shipped["ms"])
+    data = _cache.empty(h200, _cache.triton_version())
+    data["dispatch"]["lora_linear.fwd"] = [{"key": key, "winner": "addmm", "ms": {"triton": 9.0, "addmm": 1.0}}]
+    _cache.save(data)  # the user's own tuning for this GPU and triton replaces the shipped one
+    assert _dispatch.choose("lora_linear", "fwd", key, h200) == "addmm"
 
 
 def test_model_config_shapes():
