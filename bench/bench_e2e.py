@@ -1,0 +1,164 @@
+"""End to end: one LoRA training step of a Llama-3.2-1B-shaped model, fastaf vs PEFT (BENCH.md).
+
+    python bench/bench_e2e.py [--tiny] [--providers base,peft,peft-bf16,fastaf-func,fastaf-init]
+
+Model: hidden 2048, 16 layers, 32 heads, 8 kv heads, MLP 8192, vocab 128256, random bf16
+weights; batch 8 x 1024 tokens; LoRA r=16, alpha=32 on q,k,v,o,gate,up,down; AdamW on the adapter.
+Providers, each a full step (forward, loss, backward, optimizer step):
+- base: the frozen model's forward + backward to its input embeddings (the floor: LoRA training
+  needs dX through every layer too); no optimizer.
+- peft: PEFT's default (fp32 adapters); peft-bf16: PEFT with bf16 adapters.
+- fastaf-func: ``torch.func.grad_and_value`` over ``fa.functional_call``, then ``torch.optim.AdamW``
+  on the adapter pytree's leaves (fp32 master factors, bf16 activations).
+- fastaf-init: the stateful layer (``fa.init`` + ``add_new_adapter``), ``loss.backward()`` and
+  ``torch.optim.AdamW`` (what HF Trainer does).
+The first step of every provider is checked: its loss equals the base model's (B starts at 0).
+Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _harness as H  # noqa: E402
+
+import fastaf as fa  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROVIDERS = ["base", "peft", "peft-bf16", "fastaf-func", "fastaf-init"]
+
+
+def make_model(tiny: bool, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512) if tiny else dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**size, max_position_embeddings=2048, tie_word_embeddings=True)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return model.train().requires_grad_(False)
+
+
+def base_step(model, ids):
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+
+    def step():
+        loss = model(inputs_embeds=emb, labels=ids).loss
+        loss.backward()
+        return loss
+
+    return step
+
+
+def peft_step(model, ids, bf16: bool):
+    import peft
+
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
+    pm = peft.get_peft_model(copy.deepcopy(model), cfg, autocast_adapter_dtype=not bf16)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4, fused=ids.is_cuda)
+
+    def step():
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def fastaf_func_step(model, ids):
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+    leaves, spec = pytree.tree_flatten(adapter)
+    # The optimizer owns the fp32 master leaves; the adapter value is rebuilt from them each step.
+    opt = torch.optim.AdamW(leaves, lr=1e-4, fused=ids.is_cuda)
+    batch = {"input_ids": ids, "labels": ids}
+    grad_fn = torch.func.grad_and_value(lambda ad: fa.functional_call(model, ad, (), batch).loss)
+
+    def step():
+        grads, loss = grad_fn(pytree.tree_unflatten(leaves, spec))
+        for p, g in zip(leaves, pytree.tree_leaves(grads)):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def fastaf_init_step(model, ids):
+    m = fa.init(copy.deepcopy(model))
+    m.add_new_adapter("a", fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+    m.set_active_adapter("a")
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=ids.is_cuda)
+
+    def step():
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _wall_ms(step, n: int = 5) -> dict:
+    """CPU smoke-test timing (do_bench needs a GPU): median of n wall-clock steps."""
+    import time
+
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"ms": times[n // 2], "p20": times[n // 5], "p80": times[(4 * n) // 5]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model on any device (a smoke test)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = make_model(args.tiny, device)
+    batch, seq = (2, 64) if args.tiny else (8, 1024)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    makers = {"base": base_step, "peft": lambda m, i: peft_step(m, i, bf16=False),
+              "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
+              "fastaf-init": fastaf_init_step}
+    rows, base_loss = [], None
+    for name in args.providers.split(","):
+        step = makers[name](model, ids)
+        first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
+        base_loss = first if base_loss is None else base_loss
+        if abs(first - base_loss) > 1e-2 * abs(base_loss):
+            raise SystemExit(f"{name}: first-step loss {first:.4f} != base {base_loss:.4f}")
+        t = H.time_fn(step, warmup=300, rep=2000) if device == "cuda" else _wall_ms(step)
+        mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        rows.append({"bench": "e2e", "model": "llama-3.2-1b-shape" if not args.tiny else "tiny", "tokens": batch * seq,
+                     "r": 16, "dtype": "bfloat16", "mode": "train_step", "provider": name, **t, "loss0": first,
+                     "max_mem_gib": round(mem, 2)})
+        print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}", flush=True)
+        del step
+        torch.cuda.empty_cache() if device == "cuda" else None
+    base = next((r["ms"] for r in rows if r["provider"] == "base"), None)
+    for r in rows:
+        r["ratio_to_base"] = r["ms"] / base if base else None
+    path = H.write_results("e2e" + ("-tiny" if args.tiny else ""), rows, {"batch": batch, "seq": seq})
+    print(f"wrote {path}")
+    for r in rows:
+        print(f"  {r['provider']:12s} {r['ms']:8.2f} ms  {r['ratio_to_base']:.2f}x base" if base else r)
+
+
+if __name__ == "__main__":
+    main()
