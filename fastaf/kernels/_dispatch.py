@@ -6,20 +6,21 @@ path's and the cuBLAS + ``addmm`` path's measured GPU times. Its source, in orde
 ``fastaf/kernels/tuned/`` (measured by us: NVIDIA H200 so far); else nothing, and ``DEFAULT``.
 An untuned shape takes the nearest tuned one (``_cache.nearest``).
 
-The decision charges the fused path its host cost. A Triton launch costs ~55 us more host time
-than a cuBLAS call (``JITFunction.run`` binds and specialises ~17 arguments; measured with
-``bench/diag_op.py --host-profile`` on the H200 machine, 2026-11-22), and an op called on its own
-is host-bound when that exceeds its GPU win: at M=2048, K=N=4096 the fused forward was 6 us
-faster on the GPU yet 3x the base through autograd, where addmm was 1.26x. So "triton" is chosen
-only when ``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``; a kernel that loses to
-addmm at a shape is never dispatched there.
+The decision charges the fused path its host cost, because an op called on its own is
+host-bound where that cost exceeds its GPU win: before fastaf's own launch path
+(``_launch.LaunchSite``) a Triton launch cost ~27 us of host time and at M=2048, K=N=4096 the
+fused forward, 6 us faster on the GPU, ran at 3x the base through autograd where addmm ran at
+1.26x. With it a launch costs ~14 us plus a ~6 us allocation, about a cuBLAS call's 15-23 us on
+the H200 machine's host (bench/diag_linear.py, 2026-11-22). ``HOST_MS_PER_LAUNCH`` keeps 10 us
+per Triton launch for what remains and for timing noise: "triton" is chosen only when
+``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``.
 """
 from __future__ import annotations
 
 from fastaf.kernels import _cache
 
 DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
-HOST_MS_PER_LAUNCH = 0.05
+HOST_MS_PER_LAUNCH = 0.01
 LAUNCHES = {"fwd": 2, "bwd": 3}  # Triton launches per phase: fwd_h + gemm; bwd_dy + bwd_da + gemm
 
 

@@ -7,6 +7,7 @@ Math (2-D; the caller flattens leading dims), s = scale, p = dropout_p:
     y  = x @ weight.T + bias + s * h @ b.T  (M, N)  base GEMM; the LoRA dot runs once
                                                     after its K loop                [gemm kernel]
     dh = s * dy @ b  (M, R),  db = s * dy.T @ h  (N, R)   one pass over dy          [bwd_dy kernel]
+                                 db's m-block partials: stored and summed [bwd_db kernel], or atomics
     dx = dy @ weight + keep/(1-p) * (dh @ a)     (M, K)   the same GEMM kernel      [gemm kernel]
     da = dh.T @ d                                (R, K)   split-M, atomic reduce    [bwd_da kernel]
 
@@ -19,6 +20,10 @@ and writes out through device-side TMA descriptors; elsewhere, and under TRITON_
 the CPU tests, the same kernel runs with plain masked pointer loads (USE_TMA=False).
 R is padded to R_PAD = max(16, next power of two) inside the kernels with masks (tl.dot needs
 16). Accumulation is fp32 everywhere; dh, da, db are reduced in fp32 buffers and cast at the end.
+
+The skinny kernels can load their big operand through TMA descriptors too (config USE_TMA).
+Every launch goes through ``_launch.LaunchSite``, which calls the compiled kernel directly after
+the first launch per specialization (~14 us of host time instead of ~27 us on the H200 machine).
 
 ``impl="auto"`` asks ``_dispatch.choose`` per phase: "triton" runs the kernels here, "addmm"
 runs cuBLAS (F.linear / torch.mm) with the LoRA term added by ``addmm_``.
@@ -33,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastaf.kernels import _cache, _dispatch
+from fastaf.kernels import _cache, _dispatch, _launch
 from fastaf.kernels.dropout_hash import keep_mask
 from fastaf.kernels.dropout_hash_triton import dropout_keep
 
@@ -76,40 +81,52 @@ def gemm_configs(elt: int = 2) -> list[dict]:
 
 
 def fwd_h_configs() -> list[dict]:
-    """Skinny x @ a.T: bandwidth-bound, small BLOCK_M so M=2048 still fills 132 SMs."""
+    """Skinny x @ a.T: bandwidth-bound, small BLOCK_M so M=2048 still fills 132 SMs.
+
+    USE_TMA=1 loads x (and a) through device-side TMA descriptors (needs 16-byte strides; the
+    launcher falls back to pointer loads otherwise).
+    """
     out = []
-    for bm in (16, 32, 64, 128):
-        for bk in (64, 128, 256):
-            for warps in (4, 8):
-                for stages in (3, 4):
-                    # 64x256x4 stages ran out of shared memory on H200 (OutOfResources)
-                    if bm * bk * stages <= 64 * 256 * 3 and not (bm * bk <= 32 * 64 and warps == 8):
-                        out.append(dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages))
+    for tma in (0, 1):
+        for bm, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128)):
+            for stages in (3, 4):
+                for warps in ((4, 8) if bm * bk >= 128 * 128 else (4,)):
+                    out.append(dict(BLOCK_M=bm, BLOCK_K=bk, USE_TMA=tma, num_warps=warps, num_stages=stages))
     return out
 
 
 def bwd_dy_configs() -> list[dict]:
-    """One pass over dy; SPLIT_N trades db atomics (M/BLOCK_M * N * R) for dh atomics (SPLIT_N * M * R)."""
+    """One pass over dy; SPLIT_N trades db partials (M/BLOCK_M * N * R) for dh atomics (SPLIT_N * M * R).
+
+    DB_PARTIAL=1 stores each m-block's db partial (plain stores) and sums them in a second small
+    kernel; DB_PARTIAL=0 adds them into one fp32 buffer with atomics.
+    """
     out = []
-    for bm in (64, 128, 256):
-        for bn in (64, 128):
-            for split in (1, 2, 4, 8):
-                for warps in (4, 8):
-                    if bm * bn <= 256 * 64 and not (bm == 64 and warps == 8):
-                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=split, num_warps=warps, num_stages=3))
+    for tma in (0, 1):
+        for partial in (0, 1):
+            for bm, bn in ((128, 64), (256, 64), (128, 128)):
+                for split in ((1, 2, 4) if bm == 128 else (2, 4, 8)):
+                    for warps in ((4, 8) if bm * bn >= 256 * 64 else (4,)):
+                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=split, USE_TMA=tma, DB_PARTIAL=partial,
+                                        num_warps=warps, num_stages=3))
     return out
 
 
 def bwd_da_configs() -> list[dict]:
     """dh.T @ d: split M over SPLIT_M programs per K block, reduced with fp32 atomics."""
     out = []
-    for bk in (64, 128, 256):
-        for bm in (64, 128):
-            for split in (4, 8, 16, 32):
-                for warps in (4, 8):
-                    if bm * bk <= 128 * 128 and not (bm * bk <= 64 * 64 and warps == 8):
-                        out.append(dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_M=split, num_warps=warps, num_stages=3))
+    for tma in (0, 1):
+        for bm, bk in ((64, 64), (64, 128), (128, 128), (64, 256)):
+            for split in (4, 8, 16):
+                for warps in ((4, 8) if bm * bk >= 128 * 128 else (4,)):
+                    out.append(dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_M=split, USE_TMA=tma, num_warps=warps,
+                                    num_stages=3))
     return out
+
+
+def bwd_db_configs() -> list[dict]:
+    """Sum of the bwd_dy db partials: a streaming reduce, one (BLOCK,) slice of N*R per program."""
+    return [dict(BLOCK=b, num_warps=w, num_stages=1) for b in (512, 1024, 2048) for w in (4, 8)]
 
 
 CONFIGS = {"gemm": gemm_configs, "fwd_h": fwd_h_configs, "bwd_dy": bwd_dy_configs, "bwd_da": bwd_da_configs}
@@ -119,9 +136,13 @@ CONFIGS = {"gemm": gemm_configs, "fwd_h": fwd_h_configs, "bwd_dy": bwd_dy_config
 DEFAULTS = {
     "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
-    "fwd_h": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3),
-    "bwd_dy": dict(BLOCK_M=128, BLOCK_N=64, SPLIT_N=2, num_warps=4, num_stages=3),
-    "bwd_da": dict(BLOCK_M=64, BLOCK_K=128, SPLIT_M=16, num_warps=4, num_stages=3),
+    # skinny kernels: the most frequent fastaf-tune winners on H200 (triton 3.6), e.g. fwd_h 28.8 us,
+    # bwd_dy 45.6 us, bwd_da 32.0 us at M=8192 K=N=4096 r=64; TMA loads and db partials won only
+    # at a few shapes (bwd_dy M<=8192 N=4096 r=16: 48.8 vs 53.4 us)
+    "fwd_h": dict(BLOCK_M=64, BLOCK_K=128, USE_TMA=0, num_warps=4, num_stages=4),
+    "bwd_dy": dict(BLOCK_M=256, BLOCK_N=64, SPLIT_N=4, USE_TMA=0, DB_PARTIAL=0, num_warps=4, num_stages=3),
+    "bwd_da": dict(BLOCK_M=64, BLOCK_K=128, SPLIT_M=8, USE_TMA=0, num_warps=4, num_stages=3),
+    "bwd_db": dict(BLOCK=1024, num_warps=4, num_stages=1),
 }
 # fp32 tiles take twice the shared memory: 128x256x64 x 3 stages needed 393 KB (limit 227 KB).
 DEFAULTS_FP32 = {
@@ -132,9 +153,10 @@ DEFAULTS_FP32 = {
 # persistent loop runs more than one tile per program.
 INTERPRET = {
     "gemm": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
-    "fwd_h": dict(BLOCK_M=16, BLOCK_K=32, num_warps=4, num_stages=1),
-    "bwd_dy": dict(BLOCK_M=16, BLOCK_N=16, SPLIT_N=2, num_warps=4, num_stages=1),
-    "bwd_da": dict(BLOCK_M=16, BLOCK_K=32, SPLIT_M=2, num_warps=4, num_stages=1),
+    "fwd_h": dict(BLOCK_M=16, BLOCK_K=32, USE_TMA=0, num_warps=4, num_stages=1),
+    "bwd_dy": dict(BLOCK_M=16, BLOCK_N=16, SPLIT_N=2, USE_TMA=0, DB_PARTIAL=1, num_warps=4, num_stages=1),
+    "bwd_da": dict(BLOCK_M=16, BLOCK_K=32, SPLIT_M=2, USE_TMA=0, num_warps=4, num_stages=1),
+    "bwd_db": dict(BLOCK=64, num_warps=4, num_stages=1),
 }
 _INTERPRET_PROGRAMS = 2  # persistent grid size under the interpreter
 
@@ -165,25 +187,38 @@ def _lora_linear_fwd_h_kernel(
     # scalars
     dropout_p,
     # meta
-    HAS_DROPOUT: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """h[m-block] = dropout(x)[m-block] @ a.T; x is read once, dropout applied on the fly."""
+    """h[m-block] = dropout(x)[m-block] @ a.T; x is read once, dropout applied on the fly.
+
+    USE_TMA loads x (BLOCK_M, BLOCK_K) and a (R_PAD, BLOCK_K) tiles through TMA descriptors
+    (out-of-bounds rows and columns read as zero); it needs unit stride on x's and a's K.
+    """
     pid = tl.program_id(0)
     offs_m = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_r = tl.arange(0, R_PAD)
     mask_m = offs_m < M
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, K], strides=[stride_ar, 1],
+                                           block_shape=[R_PAD, BLOCK_K])
     acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        if USE_TMA:
+            x = x_desc.load([pid * BLOCK_M, k0])  # (BLOCK_M, BLOCK_K)
+            at = a_desc.load([0, k0]).T  # (BLOCK_K, R_PAD)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+            at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                         mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
         if HAS_DROPOUT:
             keep = dropout_keep(seed_ptr, offs_m[:, None] * K + offs_k[None, :], dropout_p)
             x = tl.where(keep, x, 0.0).to(x.dtype)
-        at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                     mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
         acc = tl.dot(x, at, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
@@ -201,7 +236,7 @@ def _lora_linear_gemm_kernel(
     stride_xm, stride_xk, stride_wk, stride_wn, stride_hm, stride_hr, stride_ur, stride_un,
     stride_ym, stride_yn,
     # scalars
-    l_scale, dropout_p, NUM_PROGRAMS,
+    NUM_PROGRAMS, l_scale, dropout_p,
     # meta
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr,
@@ -281,19 +316,21 @@ def _lora_linear_bwd_dy_kernel(
     dy_ptr, b_ptr, h_ptr, dh_ptr, db_ptr,
     # sizes
     M, N, R,
-    # strides (dh, db are contiguous fp32 (M, R), (N, R))
+    # strides (dh is contiguous fp32 (M, R); db contiguous fp32 (N, R), or (cdiv(M, BLOCK_M), N, R))
     stride_dym, stride_dyn, stride_bn, stride_br, stride_hm, stride_hr,
     # scalars
     scale,
     # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, DB_PARTIAL: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dh += s * dy @ b and db += s * dy.T @ h over one (m-block, N-chunk); dy is read once.
 
-    Program (pid_m, pid_s) owns rows pid_m*BLOCK_M.. and the pid_s-th of SPLIT_N column chunks.
-    db partial sums (BLOCK_N, R) go to the fp32 buffer with atomics after each column block;
-    dh is complete in registers when SPLIT_N == 1 (plain store), else atomically added.
+    Program (pid_m, pid_s) owns rows pid_m*BLOCK_M.. and the pid_s-th of SPLIT_N column chunks
+    (each a whole number of BLOCK_N blocks). Its db partial of each column block, (BLOCK_N, R),
+    is stored to slice pid_m of the partial buffer (DB_PARTIAL, summed later by the bwd_db
+    kernel) or atomically added to db. dh is complete in registers when SPLIT_N == 1 (plain
+    store), else atomically added.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -303,6 +340,11 @@ def _lora_linear_bwd_dy_kernel(
     mask_r = offs_r < R
     h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_PAD)
+    if USE_TMA:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+    if DB_PARTIAL:
+        db_ptr += pid_m.to(tl.int64) * N * R
     chunk = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT_N) * BLOCK_N
     n_start = pid_s * chunk
     n_end = tl.minimum(n_start + chunk, N)
@@ -310,19 +352,45 @@ def _lora_linear_bwd_dy_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_end
-        dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                     mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
+        if USE_TMA:  # chunks are whole blocks: a tile never reaches into the next chunk
+            dy = dy_desc.load([pid_m * BLOCK_M, n0])  # (BLOCK_M, BLOCK_N)
+        else:
+            dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                         mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, R_PAD)
         dh = tl.dot(dy, b, dh, input_precision=DOT_PRECISION)
         db = tl.dot(tl.trans(dy), h, input_precision=DOT_PRECISION)  # (BLOCK_N, R_PAD)
-        tl.atomic_add(db_ptr + offs_n[:, None] * R + offs_r[None, :], db * scale,
-                      mask=mask_n[:, None] & mask_r[None, :], sem="relaxed")
+        db_ptrs = db_ptr + offs_n[:, None] * R + offs_r[None, :]
+        if DB_PARTIAL:
+            tl.store(db_ptrs, db, mask=mask_n[:, None] & mask_r[None, :])
+        else:
+            tl.atomic_add(db_ptrs, db * scale, mask=mask_n[:, None] & mask_r[None, :], sem="relaxed")
     dh_ptrs = dh_ptr + offs_m[:, None] * R + offs_r[None, :]
     if SPLIT_N == 1:
         tl.store(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :])
     else:
         tl.atomic_add(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
+
+
+@triton.jit
+def _lora_linear_bwd_db_kernel(
+    # pointers
+    part_ptr, db_ptr,
+    # sizes (NR = N * R elements per partial, P partials)
+    NR, P,
+    # scalars
+    scale,
+    # meta
+    BLOCK: tl.constexpr,
+):
+    """db = s * sum_p part[p] in db's dtype; part (P, N*R) fp32 contiguous, db (N*R,) contiguous."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NR
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, P):  # P * NR < 2**31: the partial buffer is a fraction of dy
+        acc += tl.load(part_ptr + p * NR + offs, mask=mask, other=0.0)
+    tl.store(db_ptr + offs, (acc * scale).to(db_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -336,8 +404,8 @@ def _lora_linear_bwd_da_kernel(
     # scalars
     dropout_p,
     # meta
-    HAS_DROPOUT: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """da[:, k-block] += dh[m-chunk].T @ dropout(x)[m-chunk, k-block], SPLIT_M chunks reduced by atomics."""
     pid_k = tl.program_id(0)
@@ -346,6 +414,9 @@ def _lora_linear_bwd_da_kernel(
     offs_r = tl.arange(0, R_PAD)
     mask_k = offs_k < K
     mask_r = offs_r < R
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     chunk = tl.cdiv(tl.cdiv(M, BLOCK_M), SPLIT_M) * BLOCK_M
     m_start = pid_s * chunk
     m_end = tl.minimum(m_start + chunk, M)
@@ -353,8 +424,11 @@ def _lora_linear_bwd_da_kernel(
     for m0 in range(m_start, m_end, BLOCK_M):
         offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = offs_m < m_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        if USE_TMA:  # chunks are whole blocks: a tile never reaches into the next chunk
+            x = x_desc.load([m0, pid_k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
         if HAS_DROPOUT:
             keep = dropout_keep(seed_ptr, offs_m[:, None] * K + offs_k[None, :], dropout_p)
             x = tl.where(keep, x, 0.0).to(x.dtype)
@@ -423,6 +497,17 @@ def _tma_ready(*views: tuple[torch.Tensor, int]) -> bool:
     return True
 
 
+def _tma_2d(t: torch.Tensor, dim: int) -> bool:
+    """A 2-D tensor with unit stride on ``dim`` is TMA-addressable: 16-byte base and other stride."""
+    return (t.stride(dim) == 1 and (t.stride(1 - dim) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _rows_tma_ready(t: torch.Tensor) -> bool:
+    """The skinny kernels' x, a, dy: unit stride on dim 1, TMA-addressable."""
+    return _tma_2d(t, 1)
+
+
 def _key(**kw: Any) -> dict:
     return {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
 
@@ -434,17 +519,22 @@ def _gemm_key(M: int, N: int, K: int, R: int, dtype: torch.dtype, w_kn: torch.Te
 
 _config_memo: dict[tuple, dict] = {}
 _choice_memo: dict[tuple, str] = {}
+_plan_memo: dict[tuple, tuple] = {}
 
 
 def clear_memos() -> None:
-    """Forget memoized configs and dispatch choices (after the tuning cache changed)."""
+    """Forget memoized configs, launch plans and dispatch choices (after the tuning cache changed)."""
     _config_memo.clear()
     _choice_memo.clear()
+    _plan_memo.clear()
     _cache.forget()
 
 
 def _config(phase: str, device: torch.device, key: dict, override: Optional[dict] = None) -> dict:
-    """Override, else the tuning cache's nearest entry, else the default for ``phase``."""
+    """Override, else the tuning cache's nearest entry, else the default for ``phase``.
+
+    A cached config may predate a meta-parameter (USE_TMA, DB_PARTIAL): the default fills it in.
+    """
     if override is not None:
         return override
     if device.type != "cuda":
@@ -458,8 +548,24 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
     if conf is None:
         entry = _cache.lookup("kernels", f"lora_linear.{phase}", key)
         conf = entry["config"] if entry is not None and isinstance(entry.get("config"), dict) else phase_default
+        conf = {**{k: v for k, v in phase_default.items() if k not in conf}, **conf}
         _config_memo[memo_key] = conf
     return conf
+
+
+def _plan(memo_key: Optional[tuple], build) -> tuple:
+    """Memoized launch plan (grid, meta, meta_key, ...) of one launcher; ``memo_key=None``: no memo."""
+    if memo_key is None:
+        return build()
+    plan = _plan_memo.get(memo_key)
+    if plan is None:
+        plan = _plan_memo[memo_key] = build()
+    return plan
+
+
+def _meta(**meta: Any) -> tuple[dict, tuple]:
+    """Kernel meta-parameters and their hashable key for the launch site."""
+    return meta, tuple(meta.items())
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -468,7 +574,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None
                          "expected float16, bfloat16 or float32")
     if t.dtype != dtype:
         raise ValueError(f"lora_linear: {name} {tuple(t.shape)} has dtype {t.dtype}, expected {dtype} like x")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise ValueError(f"lora_linear: {name} has shape {tuple(t.shape)} ({t.dtype}), expected {shape}")
 
 
@@ -499,8 +605,6 @@ def _check_inputs(x, weight, bias, a, b, dropout_p, seed) -> tuple[int, int, int
 
 
 def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: int) -> str:
-    if impl not in ("auto", "triton", "addmm"):
-        raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
     if impl == "triton":
         if not available(x):
             raise RuntimeError(f"lora_linear: impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, "
@@ -508,6 +612,8 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
         if R > MAX_RANK:
             raise ValueError(f"lora_linear: the Triton path supports rank <= {MAX_RANK}, got {R}")
         return "triton"
+    if impl not in ("auto", "addmm"):
+        raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
     if impl == "addmm" or not x.is_cuda or R > MAX_RANK:
         return "addmm"
     # memoized: the cache lookup cost ~0.1 ms of host time per call, which doubled the
@@ -533,21 +639,57 @@ def _num_programs(device: torch.device, tiles: int) -> int:
     return max(1, min(_device_info(device.index)[1], tiles))
 
 
+def _hopper(device: torch.device) -> bool:
+    """TMA descriptors can be used: Hopper or newer, or the CPU interpreter."""
+    return device.type == "cpu" or _device_info(device.index)[2] >= 9
+
+
+def _conf_key(config: Optional[dict]) -> tuple:
+    return () if config is None else tuple(sorted(config.items()))
+
+
+def _tf32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return 4 if dtype == torch.float32 else 2
+
+
+def _skinny_conf(phase: str, dev: torch.device, key: dict, config: Optional[dict], tma_ok: bool,
+                 flags: tuple[str, ...] = ("USE_TMA",)) -> tuple[dict, bool, dict]:
+    """(config, whether its USE_TMA applies here, config less the launcher-decided ``flags``)."""
+    conf = _config(phase, dev, key, config)
+    tma = bool(conf.get("USE_TMA", 0)) and tma_ok and _hopper(dev)
+    return conf, tma, {k: v for k, v in conf.items() if k not in flags}
+
+
 def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
           *, config: Optional[dict] = None) -> torch.Tensor:
     """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K)."""
     M, K = x.shape
     R = a.shape[0]
-    h = torch.empty((M, R), device=x.device, dtype=x.dtype)
-    conf = _config("fwd_h", x.device, _key(M=M, K=K, R=R, dtype=x.dtype), config)
-    grid = (triton.cdiv(M, conf["BLOCK_M"]),)
-    _lora_linear_fwd_h_kernel[grid](
-        x, a, seed if dropout_p > 0 else x, h,
+    dev, dtype = x.device, x.dtype
+    tma_ok = _rows_tma_ready(x) and _rows_tma_ready(a)
+    has_dropout = dropout_p > 0
+
+    def build():
+        conf, tma, meta = _skinny_conf("fwd_h", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
+        return ((triton.cdiv(M, conf["BLOCK_M"]),), tma,
+                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R),
+                       DOT_PRECISION=_dot_precision(dtype), **meta))
+
+    memo = ("fwd_h", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config))
+    grid, tma, meta, meta_key = _plan(memo, build)
+    h = torch.empty((M, R), device=dev, dtype=dtype)
+    if tma and x.is_cuda:
+        _ensure_allocator()
+    _SITES["fwd_h"](grid, (
+        x, a, seed if has_dropout else x, h,
         M, K, R,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-        dropout_p,
-        HAS_DROPOUT=dropout_p > 0, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf,
-    )
+        float(dropout_p),
+    ), meta, meta_key)
     return h
 
 
@@ -562,66 +704,140 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     M, K = x.shape
     N = w_kn.shape[1]
     R = h.shape[1]
-    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    dev = x.device
     w_k_contig = w_kn.stride(0) == 1
-    tma_possible = (_tma_ready((x, 1), (w_kn, 0 if w_k_contig else 1), (y, 1))
-                    and (x.is_cuda and _device_info(x.device.index)[2] >= 9 or x.device.type == "cpu"))
+    # y is allocated contiguous below: TMA-ready iff its row stride N * elt is a multiple of 16 bytes
+    tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_k_contig else 1)
+                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev))
     tma = tma_possible if use_tma is None else (use_tma and tma_possible)
     if use_tma and not tma_possible:
         raise ValueError("lora_linear.gemm: use_tma=True but the operands are not TMA-addressable")
-    phase = "gemm" if tma else "gemm_plain"
-    conf = _config(phase, x.device, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
+    has_bias, has_dropout = bias is not None, dropout_p > 0
+
+    def build():
+        phase = "gemm" if tma else "gemm_plain"
+        conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
+        tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
+        programs = _num_programs(dev, tiles)
+        return ((programs,), programs,
+                *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
+                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
+
+    memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
+            _tf32(x.dtype), _conf_key(config))
+    grid, programs, meta, meta_key = _plan(memo, build)
+    y = torch.empty((M, N), device=dev, dtype=out_dtype)
     if tma and x.is_cuda:
         _ensure_allocator()
-    tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
-    programs = _num_programs(x.device, tiles)
-    _lora_linear_gemm_kernel[(programs,)](
-        x, w_kn, h, u_rn, bias if bias is not None else x, seed if dropout_p > 0 else x, y,
+    _SITES["gemm"](grid, (
+        x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y,
         M, N, K, R,
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), h.stride(0), h.stride(1),
         u_rn.stride(0), u_rn.stride(1), y.stride(0), y.stride(1),
-        l_scale, dropout_p, programs,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0, USE_TMA=tma, W_K_CONTIG=w_k_contig,
-        R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf,
-    )
+        programs, float(l_scale), float(dropout_p),
+    ), meta, meta_key)
     return y
 
 
+def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict]) -> tuple:
+    """(grid, partials P or 0, SPLIT_N, use TMA, (bwd_db meta, key), meta, meta_key) of a bwd_dy launch."""
+    M, N = dy.shape
+    dev, dtype = dy.device, dy.dtype
+    tma_ok = _rows_tma_ready(dy)
+
+    def build():
+        conf, tma, meta = _skinny_conf("bwd_dy", dev, _key(M=M, N=N, R=R, dtype=dtype), config, tma_ok,
+                                       ("USE_TMA", "DB_PARTIAL"))
+        partial = bool(conf.get("DB_PARTIAL", 0))
+        grid = (triton.cdiv(M, conf["BLOCK_M"]), conf["SPLIT_N"])
+        db_conf = INTERPRET["bwd_db"] if dev.type != "cuda" else DEFAULTS["bwd_db"]
+        db_meta = _meta(**db_conf)
+        return (grid, grid[0] if partial else 0, conf["SPLIT_N"], tma, db_meta,
+                *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
+                       **meta))
+
+    return _plan(("bwd_dy", dev.index, M, N, R, dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
+
+
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
-           *, config: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh, db) = (s * dy @ b, s * dy.T @ h) as fp32 (M, R), (N, R). dy (M, N), b (N, R), h (M, R)."""
+           *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
+
+    ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
+    backward zero dh and da with one memset).
+    """
     M, N = dy.shape
     R = b.shape[1]
-    conf = _config("bwd_dy", dy.device, _key(M=M, N=N, R=R, dtype=dy.dtype), config)
-    dh = (torch.empty if conf["SPLIT_N"] == 1 else torch.zeros)((M, R), device=dy.device, dtype=torch.float32)
-    db = torch.zeros((N, R), device=dy.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, conf["BLOCK_M"]), conf["SPLIT_N"])
-    _lora_linear_bwd_dy_kernel[grid](
-        dy, b, h, dh, db,
+    dev = dy.device
+    grid, partials, split, tma, (db_meta, db_meta_key), meta, meta_key = _bwd_dy_plan(dy, R, config)
+    if dh is None:
+        dh = (torch.empty if split == 1 else torch.zeros)((M, R), device=dev, dtype=torch.float32)
+    if partials:
+        db_buf = torch.empty((partials, N, R), device=dev, dtype=torch.float32)
+    else:
+        db_buf = torch.zeros((N, R), device=dev, dtype=torch.float32)
+    if tma and dy.is_cuda:
+        _ensure_allocator()
+    _SITES["bwd_dy"](grid, (
+        dy, b, h, dh, db_buf,
         M, N, R,
         dy.stride(0), dy.stride(1), b.stride(0), b.stride(1), h.stride(0), h.stride(1),
-        scale,
-        R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dy.dtype), **conf,
-    )
+        float(scale),
+    ), meta, meta_key)
+    if not partials:
+        return dh, db_buf.to(b.dtype)
+    db = torch.empty((N, R), device=dev, dtype=b.dtype)
+    _SITES["bwd_db"]((triton.cdiv(N * R, db_meta["BLOCK"]),), (db_buf, db, N * R, partials, float(scale)),
+                     db_meta, db_meta_key)
     return dh, db
 
 
+def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[dict]) -> tuple:
+    """(grid, SPLIT_M, use TMA, meta, meta_key) of a bwd_da launch."""
+    M, K = x.shape
+    dev, dtype = x.device, x.dtype
+    tma_ok = _rows_tma_ready(x)
+
+    def build():
+        conf, tma, meta = _skinny_conf("bwd_da", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
+        return ((triton.cdiv(K, conf["BLOCK_K"]), conf["SPLIT_M"]), conf["SPLIT_M"], tma,
+                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
+                       **meta))
+
+    return _plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)), build)
+
+
 def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
-           *, config: Optional[dict] = None) -> torch.Tensor:
-    """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous fp32 (M, R), x (M, K)."""
+           *, config: Optional[dict] = None, da: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous fp32 (M, R), x (M, K).
+
+    ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller.
+    """
     M, K = x.shape
     R = dh.shape[1]
-    conf = _config("bwd_da", x.device, _key(M=M, K=K, R=R, dtype=x.dtype), config)
-    da = (torch.empty if conf["SPLIT_M"] == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(K, conf["BLOCK_K"]), conf["SPLIT_M"])
-    _lora_linear_bwd_da_kernel[grid](
-        dh, x, seed if dropout_p > 0 else x, da,
+    has_dropout = dropout_p > 0
+    grid, split, tma, meta, meta_key = _bwd_da_plan(x, R, has_dropout, config)
+    if da is None:
+        da = (torch.empty if split == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
+    if tma and x.is_cuda:
+        _ensure_allocator()
+    _SITES["bwd_da"](grid, (
+        dh, x, seed if has_dropout else x, da,
         M, K, R,
         x.stride(0), x.stride(1),
-        dropout_p,
-        HAS_DROPOUT=dropout_p > 0, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf,
-    )
+        float(dropout_p),
+    ), meta, meta_key)
     return da
+
+
+# (kernel, pointer args, int args): the launch sites key on those (see _launch)
+_SITES = {
+    "fwd_h": _launch.LaunchSite(_lora_linear_fwd_h_kernel, 4, 9),
+    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 7, 15),
+    "bwd_dy": _launch.LaunchSite(_lora_linear_bwd_dy_kernel, 5, 9),
+    "bwd_db": _launch.LaunchSite(_lora_linear_bwd_db_kernel, 2, 2),
+    "bwd_da": _launch.LaunchSite(_lora_linear_bwd_da_kernel, 4, 5),
+}
 
 
 def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
@@ -680,7 +896,12 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: 
             else:
                 dx.addmm_(dh, a)
         return dx, da, db
-    dh, db = bwd_dy(dy, b, h, scale)  # fp32 (M, R), (N, R)
-    da = bwd_da(dh, x, dropout_p, seed)  # fp32 (R, K)
+    # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both
+    split_n = _bwd_dy_plan(dy, R, None)[2]
+    split_m = _bwd_da_plan(x, R, dropout_p > 0, None)[1]
+    work = (torch.zeros if split_n > 1 or split_m > 1 else torch.empty)(
+        M * R + R * K, device=x.device, dtype=torch.float32)
+    dh, db = bwd_dy(dy, b, h, scale, dh=work[:M * R].view(M, R))  # fp32 (M, R), (N, R) in b's dtype
+    da = bwd_da(dh, x, dropout_p, seed, da=work[M * R:].view(R, K))  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
-    return dx, da.to(a.dtype), db.to(b.dtype)
+    return dx, da.to(a.dtype), db

@@ -81,7 +81,7 @@ def test_dispatch_charges_triton_its_host_cost():
     _cache.save(data)
     assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "triton"
     assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, _cache.device_name()) == "triton"  # nearest
-    entry["ms"] = {"triton": 0.40, "addmm": 0.45}  # faster on the GPU, not by enough to pay its launches
+    entry["ms"] = {"triton": 0.44, "addmm": 0.45}  # faster on the GPU, not by enough to pay its launches
     _cache.save(data)
     assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "addmm"
 

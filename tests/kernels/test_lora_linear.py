@@ -109,6 +109,47 @@ def test_launchers_triton(R):
     check(*PLAIN, R, device=device, p=0.2, impl="triton")
 
 
+def skinny(M, K, N, R, p, configs, *, dtype=torch.float32, device="cpu", key=None, seed=0):
+    """fwd_h, bwd_dy, bwd_da with pinned configs against fp64 (h, dh, db, da)."""
+    key = dtype if key is None else key
+    x, weight, _, a, b, dy, seed_t = make(M, K, N, R, dtype, device, bias=False, p=p, seed=seed)
+    scale = 0.5
+    _, h_r, _, da_r, db_r = reference(x, weight, None, a, b, scale, p, seed_t, dy)
+    h = ll.fwd_h(x, a, p, seed_t, config=configs.get("fwd_h"))
+    assert_close(h, h_r, key, "h")
+    dh, db = ll.bwd_dy(dy, b, h, scale, config=configs.get("bwd_dy"))
+    assert db.dtype == dtype and dh.dtype == torch.float32
+    assert_close(dh, scale * dy.double() @ b.double(), key, "dh")
+    assert_close(db, scale * dy.double().T @ h.double(), key, "db")
+    da = ll.bwd_da(dh, x, p, seed_t, config=configs.get("bwd_da"))
+    assert_close(da, dh.double().T @ (x.double() * (keep_mask(seed_t, M, K, p, x.device).double() / (1 - p)
+                                                   if p > 0 else 1.0)), key, "da")
+    return h, dh, db, da
+
+
+SKINNY = [  # every meta-parameter combination of the skinny kernels: TMA loads, db partials, splits
+    dict(fwd_h=dict(BLOCK_M=16, BLOCK_K=32, USE_TMA=1, num_warps=4, num_stages=1),
+         bwd_dy=dict(BLOCK_M=16, BLOCK_N=16, SPLIT_N=2, USE_TMA=1, DB_PARTIAL=1, num_warps=4, num_stages=1),
+         bwd_da=dict(BLOCK_M=16, BLOCK_K=32, SPLIT_M=2, USE_TMA=1, num_warps=4, num_stages=1)),
+    dict(fwd_h=dict(BLOCK_M=32, BLOCK_K=16, USE_TMA=0, num_warps=4, num_stages=1),
+         bwd_dy=dict(BLOCK_M=16, BLOCK_N=16, SPLIT_N=1, USE_TMA=0, DB_PARTIAL=0, num_warps=4, num_stages=1),
+         bwd_da=dict(BLOCK_M=16, BLOCK_K=16, SPLIT_M=1, USE_TMA=0, num_warps=4, num_stages=1)),
+    dict(bwd_dy=dict(BLOCK_M=32, BLOCK_N=16, SPLIT_N=3, USE_TMA=1, DB_PARTIAL=0, num_warps=4, num_stages=1),
+         bwd_da=dict(BLOCK_M=16, BLOCK_K=16, SPLIT_M=3, USE_TMA=1, num_warps=4, num_stages=1)),
+    dict(bwd_dy=dict(BLOCK_M=16, BLOCK_N=32, SPLIT_N=1, USE_TMA=0, DB_PARTIAL=1, num_warps=4, num_stages=1)),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", range(len(SKINNY)))
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_skinny_variants(case, p):
+    """TMA and pointer loads, db partials and atomics, split and unsplit reductions, odd M and tails."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    key = "tf32" if HAS_CUDA and torch.backends.cuda.matmul.allow_tf32 else torch.float32
+    skinny(*TMA, 5, p, SKINNY[case], device=device, key=key)  # TMA shapes: 16-byte row strides
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_addmm_path_matches_reference(p):
     check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
@@ -176,3 +217,28 @@ def test_gpu_auto_and_fp32():
     check(1000, 512, 768, 8, dtype=torch.bfloat16, device="cuda", impl="auto", p=0.1)
     check(1000, 512, 768, 8, dtype=torch.float32, device="cuda", impl="triton",
           key="tf32" if torch.backends.cuda.matmul.allow_tf32 else torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_fast_launch_repeats():
+    """Repeated launches take the cached-kernel path and stay right on fresh inputs, also when an
+    argument's specialization changes (misaligned view, different dropout, fp16 vs bf16)."""
+    from fastaf.kernels import _launch
+
+    if not _launch._enabled():
+        pytest.skip("fast launch disabled here")
+    hits = {name: site.hits for name, site in ll._SITES.items()}
+    for seed in range(3):
+        for dtype in (torch.bfloat16, torch.float16):
+            check(1024 + 3, 512, 768, 16, dtype=dtype, device="cuda", impl="triton", p=0.1 * (seed % 2))
+        skinny(1024, 512, 768, 16, 0.0, {}, dtype=torch.bfloat16, device="cuda", seed=seed)
+    for name in ("fwd_h", "gemm", "bwd_dy", "bwd_da"):
+        assert ll._SITES[name].hits > hits[name], f"{name}: the fast path never ran"
+        assert ll._SITES[name].fast, f"{name}: the fast path was disabled"
+    # a view whose data_ptr is not 16-byte aligned must not reuse the aligned kernel
+    x = torch.randn(1024, 514, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(16, 514, device="cuda", dtype=torch.bfloat16)
+    for xs in (x[:, :512], x[:, 1:513], x[:, :512]):
+        as_ = a[:, 1:513] if xs.data_ptr() % 16 else a[:, :512]
+        assert_close(ll.fwd_h(xs, as_, 0.0, None), xs.double() @ as_.double().T, torch.bfloat16, "h")

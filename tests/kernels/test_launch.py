@@ -1,0 +1,58 @@
+"""fastaf.kernels._launch: the fallbacks and hook detection (CPU; the fast path itself
+is exercised on the GPU by test_lora_linear.test_gpu_fast_launch_repeats)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastaf.kernels import _launch
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's normal path")
+def test_interpreter_takes_normal_launch():
+    from fastaf.kernels import lora_linear as ll
+
+    assert not any(site.fast for site in ll._SITES.values())
+
+
+def test_bad_kernel_disables_fast_path(monkeypatch):
+    class Param:
+        def __init__(self, name, const):
+            self.name, self.is_constexpr = name, const
+
+    class Kernel:  # a constexpr before a runtime parameter: the site must refuse the fast path
+        params = [Param("A", True), Param("x", False)]
+
+    monkeypatch.setattr(_launch, "_enabled", lambda: True)
+    with pytest.warns(RuntimeWarning, match="fast Triton launch disabled"):
+        site = _launch.LaunchSite(Kernel(), 1, 0)
+    assert not site.fast
+
+
+def test_hook_activity():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _launch._active(None)
+    assert not _launch._active(Chain([]))  # triton 3.6+'s default: an empty chain
+    assert _launch._active(Chain([print]))
+    assert _launch._active(print)  # older triton: a plain callable
+
+
+def test_layout_check_refuses_unkeyed_arguments(monkeypatch):
+    class Param:
+        def __init__(self, name, const):
+            self.name, self.is_constexpr = name, const
+
+    class Kernel:
+        params = [Param("x", False), Param("n", False), Param("s", False), Param("B", True)]
+
+    monkeypatch.setattr(_launch, "_enabled", lambda: True)
+    site = _launch.LaunchSite(Kernel(), 1, 1)
+    assert site._layout_ok((torch.empty(1), 3, 0.5))
+    with pytest.warns(RuntimeWarning):
+        assert not site._layout_ok((torch.empty(1), 0.5, 3))  # a float where the key expects an int
+    assert not site.fast
