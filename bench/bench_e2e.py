@@ -10,6 +10,9 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - peft: PEFT's default (fp32 adapters); peft-bf16: PEFT with bf16 adapters.
 - fastaf-func: ``torch.func.grad_and_value`` over ``fa.functional_call``, then ``torch.optim.AdamW``
   on the adapter pytree's leaves (fp32 master factors, bf16 activations).
+- base-func: the frozen model's forward + backward through ``torch.func.grad`` (functorch's cost).
+- fastaf-autograd: ``fa.functional_call`` with the adapter's leaves requiring grad, plain
+  ``loss.backward()`` and ``torch.optim.AdamW``.
 - fastaf-init: the stateful layer (``fa.init`` + ``add_new_adapter``), ``loss.backward()`` and
   ``torch.optim.AdamW`` (what HF Trainer does).
 The first step of every provider is checked: its loss equals the base model's (B starts at 0).
@@ -31,7 +34,7 @@ from bench import _harness as H  # noqa: E402
 import fastaf as fa  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROVIDERS = ["base", "peft", "peft-bf16", "fastaf-func", "fastaf-init"]
+PROVIDERS = ["base", "base-func", "peft", "peft-bf16", "fastaf-func", "fastaf-autograd", "fastaf-init"]
 
 
 def make_model(tiny: bool, device: str):
@@ -95,6 +98,35 @@ def fastaf_func_step(model, ids):
     return step
 
 
+def base_func_step(model, ids):
+    """The frozen model differentiated by torch.func.grad instead of autograd: functorch's own cost."""
+    emb = model.get_input_embeddings()(ids).detach()
+    grad_fn = torch.func.grad_and_value(lambda e: model(inputs_embeds=e, labels=ids).loss)
+
+    def step():
+        return grad_fn(emb)[1]
+
+    return step
+
+
+def fastaf_autograd_step(model, ids):
+    """The functional call differentiated by plain autograd on the adapter's leaves."""
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+    leaves, spec = pytree.tree_flatten(adapter)
+    leaves = [t.requires_grad_() for t in leaves]
+    opt = torch.optim.AdamW(leaves, lr=1e-4, fused=ids.is_cuda)
+    batch = {"input_ids": ids, "labels": ids}
+
+    def step():
+        loss = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def fastaf_init_step(model, ids):
     m = fa.init(copy.deepcopy(model))
     m.add_new_adapter("a", fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
@@ -135,6 +167,7 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     makers = {"base": base_step, "peft": lambda m, i: peft_step(m, i, bf16=False),
               "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
+              "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
               "fastaf-init": fastaf_init_step}
     rows, base_loss = [], None
     for name in args.providers.split(","):
