@@ -62,21 +62,27 @@ def base_step(model, ids):
     return step
 
 
-def peft_step(model, ids, bf16: bool):
-    import peft
-
-    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
-    pm = peft.get_peft_model(copy.deepcopy(model), cfg, autocast_adapter_dtype=not bf16)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4, fused=ids.is_cuda)
+def _autograd_step(loss_fn, params: list, cuda: bool):
+    """A step of ``loss_fn()``: backward, then fused AdamW on ``params``."""
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
 
     def step():
-        loss = pm(input_ids=ids, labels=ids).loss
+        loss = loss_fn()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
     return step
+
+
+def peft_step(model, ids, bf16: bool):
+    import peft
+
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
+    pm = peft.get_peft_model(copy.deepcopy(model), cfg, autocast_adapter_dtype=not bf16)
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    return _autograd_step(lambda: pm(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
 def fastaf_func_step(model, ids):
@@ -114,33 +120,17 @@ def fastaf_autograd_step(model, ids):
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     leaves, spec = pytree.tree_flatten(adapter)
     leaves = [t.requires_grad_() for t in leaves]
-    opt = torch.optim.AdamW(leaves, lr=1e-4, fused=ids.is_cuda)
     batch = {"input_ids": ids, "labels": ids}
-
-    def step():
-        loss = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    loss_fn = lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss  # noqa: E731
+    return _autograd_step(loss_fn, leaves, ids.is_cuda)
 
 
 def fastaf_init_step(model, ids):
     m = fa.init(copy.deepcopy(model))
     m.add_new_adapter("a", fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     m.set_active_adapter("a")
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=ids.is_cuda)
-
-    def step():
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    return _autograd_step(lambda: m(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
 def _wall_ms(step, n: int = 5) -> dict:
