@@ -10,7 +10,7 @@ import torch
 
 import fastaf as fa
 from tests._models import MODELS, random_adapter, tiny_gpt2, tiny_llama, token_batch
-from tests._tolerances import assert_close, rel_err
+from tests._tolerances import REL_TOL, assert_close, rel_err
 
 LLAMA_TARGETS = MODELS["llama"][1]
 DENSE = ["ties", "dare_linear", "dare_ties", "magnitude_prune"]
@@ -491,4 +491,7 @@ def test_peft_rslora_merge_scale_differs_fastaf_stays_exact():
     for path, peft_delta in _peft_deltas(peft_model, "m").items():
         exact = _direct_sum(ads, [1.0, 1.0], path)
         assert_close(merged[path].delta(), exact, torch.float32, path)
-        assert_close(peft_delta, math.sqrt(6) * exact, "tf32", path)  # PEFT's wrong scale, shown
+        # PEFT 0.21's scale is sqrt(6) too large; once peft#3761 is fixed PEFT matches the exact
+        # sum, and this test keeps passing on fastaf's exactness alone.
+        if rel_err(peft_delta, exact) > REL_TOL["tf32"]:
+            assert_close(peft_delta, math.sqrt(6) * exact, "tf32", path)
