@@ -24,6 +24,7 @@ recomputes the mask and the Triton kernels match this reference bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -253,6 +254,34 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and not is_wrapped(t)) for t in tensors)
 
 
+def _unwrap_grad_level(tensors: tuple[Optional[Tensor], ...]) -> Optional[tuple[Optional[Tensor], ...]]:
+    """The tensors with the current ``torch.func.grad`` level peeled off, if that leaves them plain.
+
+    Under ``torch.func.grad`` the backward runs with ``create_graph`` on tensors wrapped at the
+    grad level, which would send it through the dispatcher. fastaf's VJP is first-order, so it
+    can compute on the unwrapped tensors, below the level (``_below_grad_level``), and return
+    plain gradients, which the grad level takes as constants. Returns None when that is not the
+    situation (no level, a tracer, or other wrappers such as vmap's batched tensors remain):
+    then the op, with its vmap rule, must run.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return None  # tracers see the op
+    level = torch._C._functorch.maybe_current_level()
+    if level is None:
+        return None
+    unwrap = torch._C._functorch._unwrap_for_grad
+    out = tuple(None if t is None else unwrap(t, level) for t in tensors)
+    return out if _direct_ok(*out) else None
+
+
+def _below_grad_level():
+    """Context in which the current functorch level is popped, so new tensors come out plain
+    (functorch's own ``custom_function_call`` runs a Function's forward the same way)."""
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    return retrieve_current_functorch_interpreter().lower()
+
+
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Reduce a per-group gradient (G, ...) to an input that broadcast over groups (1, ...)."""
     return grad.sum(0, keepdim=True) if grad.shape[0] != shape[0] else grad
@@ -284,9 +313,16 @@ class _LoRALinearFn(torch.autograd.Function):
         # First-order only: torch.func.grad runs backward with create_graph=True, and the op's
         # default autograd kernel would then wrap it in an old-style Function that functorch
         # rejects. no_grad keeps the call a plain op call.
-        bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, seed) else torch.ops.fastaf.lora_linear_bwd
-        with torch.no_grad():
-            dx, da, db = bwd(dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl)
+        operands = (dy, x, weight, a, b, h, seed)
+        scope = contextlib.nullcontext()
+        if _direct_ok(*operands):
+            bwd = _bwd_impl
+        elif (unwrapped := _unwrap_grad_level(operands)) is not None:
+            bwd, operands, scope = _bwd_impl, unwrapped, _below_grad_level()
+        else:
+            bwd = torch.ops.fastaf.lora_linear_bwd
+        with torch.no_grad(), scope:
+            dx, da, db = bwd(*operands[:6], ctx.scale, ctx.dropout_p, operands[6], needs[0], ctx.impl)
         # The frozen base weight and bias get gradients only when they ask for them.
         dweight = _sum_to(_t(dy) @ x, weight.shape) if needs[1] else None
         dbias = _sum_to(dy.sum(1), ctx.bias_shape) if needs[2] else None
