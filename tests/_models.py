@@ -18,35 +18,30 @@ from transformers import (
 import fastaf as fa
 
 VOCAB = 96
+_DECODER = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+)
+
+
+def _seeded(model_cls, config, seed: int, dtype: torch.dtype):
+    torch.manual_seed(seed)
+    return model_cls(config).to(dtype).eval()
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-    )
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+    return _seeded(LlamaForCausalLM, LlamaConfig(**_DECODER), seed, dtype)
 
 
 def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
     """Qwen2 has a bias on q/k/v_proj."""
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-    )
-    return Qwen2ForCausalLM(cfg).to(dtype).eval()
+    return _seeded(Qwen2ForCausalLM, Qwen2Config(**_DECODER), seed, dtype)
 
 
 def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
     """GPT-2's attention and MLP are transformers Conv1D layers (weight stored (in, out))."""
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        attn_implementation="eager",
-    )
-    return GPT2LMHeadModel(cfg).to(dtype).eval()
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager")
+    return _seeded(GPT2LMHeadModel, cfg, seed, dtype)
 
 
 MODELS = {
