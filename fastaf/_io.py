@@ -29,7 +29,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import _hub
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode
 from .functional._modules import selects
 
@@ -258,6 +257,8 @@ def _resolve(source: str | os.PathLike, revision: str | None, token: str | bool 
         raise ValueError(f"read_adapter: {str(path)!r} is a file; pass the directory that holds {CONFIG_NAME}")
     if not _is_repo_id(str(source)):
         raise FileNotFoundError(f"read_adapter: no directory {str(path)!r} (and it is not a hub repo id)")
+    from . import _hub  # huggingface_hub costs ~0.3 s to import; only hub ids need it
+
     try:
         return _hub.download_files(str(source), [CONFIG_NAME, WEIGHTS_NAME], revision=revision, token=token)
     except FileNotFoundError:
