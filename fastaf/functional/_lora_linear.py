@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.dropout_hash import hash_uniform
+from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 
 IMPLS = ("auto", "triton", "torch")
@@ -45,10 +45,7 @@ def _dropout_scale(x: Tensor, p: float, seed: Optional[Tensor]) -> Optional[Tens
     if p == 0.0:
         return None
     M, K = x.shape[-2:]
-    index = torch.arange(M, device=x.device, dtype=torch.int64)[:, None] * K + torch.arange(
-        K, device=x.device, dtype=torch.int64
-    )  # (M, K)
-    keep = hash_uniform(seed.view(-1, 1, 1), index) >= p  # (Gs, M, K)
+    keep = hash_uniform(seed.view(-1, 1, 1), element_index(M, K, x.device)) >= p  # (Gs, M, K)
     return keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
@@ -238,6 +235,11 @@ def _plain_eager(*tensors: Optional[Tensor]) -> bool:
     return not torch._C._are_functorch_transforms_active() and _direct_ok(*tensors)
 
 
+def _traced() -> bool:
+    """A tracer (torch.compile) or a dispatch mode is watching: they must see the registered op."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     """True when the op implementations may be called directly instead of through the dispatcher.
 
@@ -248,7 +250,7 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     Python custom-op path costs ~150 us of host time per call on the H200 machine, ~17 ms per
     step for the 112 adapted layers of a 1B model.
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if _traced():
         return False
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and not is_wrapped(t)) for t in tensors)
@@ -264,8 +266,8 @@ def _unwrap_grad_level(tensors: tuple[Optional[Tensor], ...]) -> Optional[tuple[
     situation (no level, a tracer, or other wrappers such as vmap's batched tensors remain):
     then the op, with its vmap rule, must run.
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return None  # tracers see the op
+    if _traced():
+        return None  # maybe_current_level is not traceable; tracers see the op anyway
     level = torch._C._functorch.maybe_current_level()
     if level is None:
         return None

@@ -43,6 +43,13 @@ def hash_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (v >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
+def element_index(M: int, K: int, device: torch.device) -> torch.Tensor:
+    """int64 (M, K) logical element indices m * K + k, the counter the mask hashes."""
+    return torch.arange(M, device=device, dtype=torch.int64)[:, None] * K + torch.arange(
+        K, device=device, dtype=torch.int64
+    )
+
+
 def keep_mask(seed: torch.Tensor, M: int, K: int, p: float, device: torch.device) -> torch.Tensor:
     """Boolean keep mask of shape (M, K) for dropout probability ``p``.
 
@@ -51,7 +58,4 @@ def keep_mask(seed: torch.Tensor, M: int, K: int, p: float, device: torch.device
         M, K: mask shape; element (m, k) hashes index m * K + k.
         p: drop probability in [0, 1).
     """
-    index = torch.arange(M, device=device, dtype=torch.int64)[:, None] * K + torch.arange(
-        K, device=device, dtype=torch.int64
-    )  # (M, K)
-    return hash_uniform(seed.reshape(()), index) >= p
+    return hash_uniform(seed.reshape(()), element_index(M, K, device)) >= p

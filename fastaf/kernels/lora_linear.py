@@ -124,11 +124,6 @@ def bwd_da_configs() -> list[dict]:
     return out
 
 
-def bwd_db_configs() -> list[dict]:
-    """Sum of the bwd_dy db partials: a streaming reduce, one (BLOCK,) slice of N*R per program."""
-    return [dict(BLOCK=b, num_warps=w, num_stages=1) for b in (512, 1024, 2048) for w in (4, 8)]
-
-
 CONFIGS = {"gemm": gemm_configs, "fwd_h": fwd_h_configs, "bwd_dy": bwd_dy_configs, "bwd_da": bwd_da_configs}
 
 # Untuned defaults on CUDA. gemm: 128x256x64, 3 stages, 8 warps is the best Hopper bf16 config of
