@@ -92,10 +92,17 @@ def reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx):
 # ---- 2. torch.library ops -------------------------------------------------------------------
 
 
-def _kernels():
-    from ..kernels import lora_linear as kernels  # triton is imported only when a kernel runs
+_kernels_module = None
 
-    return kernels
+
+def _kernels():
+    """``fastaf.kernels.lora_linear``, imported on first use: triton loads only when a kernel runs."""
+    global _kernels_module
+    if _kernels_module is None:
+        from ..kernels import lora_linear
+
+        _kernels_module = lora_linear
+    return _kernels_module
 
 
 def _use_triton(impl: str, x: Tensor) -> bool:
@@ -235,6 +242,10 @@ def _plain_eager(*tensors: Optional[Tensor]) -> bool:
     return not torch._C._are_functorch_transforms_active() and _direct_ok(*tensors)
 
 
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _traced() -> bool:
     """A tracer (torch.compile) or a dispatch mode is watching: they must see the registered op."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
@@ -252,8 +263,10 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     """
     if _traced():
         return False
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and not is_wrapped(t)) for t in tensors)
+    for t in tensors:  # a loop, not all(genexpr): this runs per op call on the host's hot path
+        if t is not None and (type(t) not in _PLAIN_TYPES or _is_wrapped(t)):
+            return False
+    return True
 
 
 def _unwrap_grad_level(tensors: tuple[Optional[Tensor], ...]) -> Optional[tuple[Optional[Tensor], ...]]:
@@ -347,6 +360,67 @@ class _LoRALinearFn(torch.autograd.Function):
         return _unfold(info.batch_size, out)
 
 
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class _EagerLoRALinearFn(torch.autograd.Function):
+    """The same VJP for plain eager autograd (``_plain_eager``), without the group axis.
+
+    Each ``[None]`` / ``[0]`` view, ``.to`` cast and reshape around ``_LoRALinearFn`` is host
+    time and, for the differentiable ones, an autograd node: at M=2048, K=N=4096 on the H200
+    the op was host-bound at 2.1x the base forward where a bare addmm Function ran at 1.26x.
+    Here x keeps its leading dims, A and B keep their own dtype (cast inside, gradients cast
+    back), and the launchers are called without re-checking what ``_check`` checked.
+    Functorch transforms and tracers never reach this class: they take ``_LoRALinearFn``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scale, dropout_p, seed, impl):
+        # Each skipped no-op below (reshape, view, cast) is ~2-7 us of host time per call.
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
+        if _use_triton(impl, x2):
+            y, h = _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl)
+        else:
+            y, h = reference_fwd(x2[None], weight[None], None if bias is None else bias[None], a[None], b[None],
+                                 scale, dropout_p, seed)
+            y, h = y[0], h[0]
+        ctx.save_for_backward(x2, weight, a, b, h, seed)
+        ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
+        ctx.set_materialize_grads(False)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 9
+        x2, weight, a, b, h, seed = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
+        args = (ctx.scale, ctx.dropout_p, seed, need_x)
+        if _use_triton(ctx.impl, x2):
+            dx, da, db = _kernels().lora_linear_bwd_unchecked(dy2, x2, weight, a, b, h, *args, ctx.impl)
+        else:
+            dx, da, db = (t[0] for t in reference_bwd(dy2[None], x2[None], weight[None], a[None], b[None], h[None],
+                                                      *args))
+        if need_x and dy.dim() != 2:
+            dx = dx.view(*dy.shape[:-1], x2.shape[1])
+        return (
+            dx if need_x else None,
+            dy2.T @ x2 if need_w else None,  # the frozen weight: only when it asks
+            dy2.sum(0) if need_bias else None,
+            _as_dtype(da, ctx.a_dtype) if need_a else None,
+            _as_dtype(db, ctx.b_dtype) if need_b else None,
+            None, None, None, None,
+        )
+
+
+_eager_apply = super(torch.autograd.Function, _EagerLoRALinearFn).apply  # Function.apply less its
+# functorch dispatch and argument binding (inspect.signature), which plain eager does not need
+
+
 # ---- 4. public function -----------------------------------------------------------------------
 
 
@@ -411,9 +485,11 @@ def lora_linear(
         bias = None if bias is None else bias.to(dtype)
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
-    lead, K = x.shape[:-1], x.shape[-1]
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
+    if _plain_eager(x, weight, bias, lora.A, lora.B):
+        return _eager_apply(x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
+    lead, K = x.shape[:-1], x.shape[-1]
     args = (
         x.reshape(1, -1, K),
         weight[None],
@@ -425,9 +501,5 @@ def lora_linear(
         seed,
         impl,
     )
-    if _plain_eager(*args[:5]):
-        # Function.apply would only add argument binding (inspect.signature) on top of this.
-        y, _ = super(torch.autograd.Function, _LoRALinearFn).apply(*args)
-    else:
-        y, _ = _LoRALinearFn.apply(*args)
+    y, _ = _LoRALinearFn.apply(*args)
     return y.reshape(*lead, weight.shape[0])

@@ -851,7 +851,19 @@ def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     Returns:
         y (M, N) = x @ weight.T + bias + scale * h @ b.T and h (M, R) = dropout(x) @ a.T, x's dtype.
     """
-    M, K, N, R = _check_inputs(x, weight, bias, a, b, dropout_p, seed)
+    _check_inputs(x, weight, bias, a, b, dropout_p, seed)
+    return lora_linear_fwd_unchecked(x, weight, bias, a, b, scale, dropout_p, seed, impl)
+
+
+def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                              a: torch.Tensor, b: torch.Tensor, scale: float, dropout_p: float,
+                              seed: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lora_linear_fwd`` without its input checks, for callers that validated already.
+
+    fastaf's eager op path checks once at the public function: the checks here cost ~10 us of
+    host time per call, which counts where M=2048 calls are host-bound.
+    """
+    (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "fwd", x, M, K, N, R) == "addmm":
         h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.T  # (M, R)
         y = torch.nn.functional.linear(x, weight, bias)  # (M, N)
@@ -878,6 +890,15 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: 
     M, K, N, R = _check_inputs(x, weight, None, a, b, dropout_p, seed)
     _check("dy", dy, (M, N), x.dtype)
     _check("h", h, (M, R), x.dtype)
+    return lora_linear_bwd_unchecked(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl)
+
+
+def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor,
+                              b: torch.Tensor, h: torch.Tensor, scale: float, dropout_p: float,
+                              seed: Optional[torch.Tensor], needs_dx: bool,
+                              impl: str) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``lora_linear_bwd`` without its input checks, for callers that validated already."""
+    (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
         dh = torch.mm(dy, b).mul_(scale)  # (M, R)
         db = torch.mm(dy.T, h).mul_(scale)  # (N, R)
