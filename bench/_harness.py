@@ -28,6 +28,33 @@ def time_fn(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> dict:
     return {"ms": p50, "p20": p20, "p80": p80}
 
 
+def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 200) -> dict:
+    """Time every ``fns[key]`` in ``rounds`` interleaved rounds of ``rep / rounds`` ms each.
+
+    A provider timed in one block sees one moment of the GPU's clocks and temperature; a large
+    GEMM at the H200's power limit drifts by several percent over a run, which in one block shows
+    up as a provider's ratio to the base. Interleaving spreads that drift over every provider.
+    Returns ``{key: {"ms", "p20", "p80", "rounds": [per-round medians]}}`` over the pooled samples;
+    the spread of a provider's per-round medians is its noise.
+    """
+    import statistics
+
+    import triton.testing
+
+    samples: dict = {k: [] for k in fns}
+    medians: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            times = triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // rounds), return_mode="all")
+            samples[key] += times
+            medians[key].append(round(statistics.median(times), 5))
+    out = {}
+    for key, times in samples.items():
+        q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+        out[key] = {"ms": statistics.median(times), "p20": q[1], "p80": q[7], "rounds": medians[key]}
+    return out
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -10,7 +10,10 @@ launchers when the package's top level does not import), plus fastaf-kernels (la
 impl="auto", no op boundary) and fastaf-triton (launchers forced to impl="triton"), so the
 fused kernels are visible where the dispatch picks addmm. fwd_bwd computes dx, dA, dB (W frozen);
 the base's fwd_bwd is its forward plus the dX GEMM. Each provider is checked against an fp32
-reference before it is timed. Rows go to bench/results/linear-<gpu>.json (and $OUT).
+reference before it is timed. All providers of a shape are timed in ``--rounds`` interleaved
+rounds (``_harness.time_interleaved``), so clock drift spreads over every provider instead of
+landing on one; each row keeps its per-round medians. Rows go to
+bench/results/linear-<gpu>.json (and $OUT).
 """
 from __future__ import annotations
 
@@ -132,7 +135,7 @@ def make_providers(W, A, B, s, K, N, r, names, public):
     return out
 
 
-def run_shape(M, K, N, r, names, public, check, rows, warmup, rep):
+def run_shape(M, K, N, r, names, public, check, rows, warmup, rep, rounds):
     dtype, dev, s = torch.bfloat16, "cuda", 2.0
     g = torch.Generator(device=dev).manual_seed(M + K + N + r)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=g)  # noqa: E731
@@ -150,6 +153,7 @@ def run_shape(M, K, N, r, names, public, check, rows, warmup, rep):
         refs = {"fwd": [x32 @ W32.T + s * (x32 @ A32.T) @ B32.T],
                 "fwd_bwd": [dy32 @ W32 + dh @ A32, dh.T @ x32, s * dy32.T @ (x32 @ A32.T)]}
     provs = make_providers(W, A, B, s, K, N, r, names, public)
+    timers = {}
     for name, (fwd, fb) in provs.items():
         for mode, fn in (("fwd", fwd), ("fwd_bwd", fb)):
             err = None
@@ -163,14 +167,22 @@ def run_shape(M, K, N, r, names, public, check, rows, warmup, rep):
                     print(f"!! {name} {mode} M={M} K={K} N={N} r={r}: rel err {err:.3g}", flush=True)
             i = [0]
 
-            def step(fn=fn):
+            def step(fn=fn, i=i):
                 i[0] = (i[0] + 1) % n_sets
                 return fn(xs[i[0]], dys[i[0]])
 
-            t = H.time_fn(step, warmup=warmup, rep=rep)
-            rows.append({"bench": "linear", "M": M, "K": K, "N": N, "r": r, "dtype": "bfloat16", "mode": mode,
-                         "provider": name, **t, "rel_err": err})
-        print(f"  {name:15s} fwd {rows[-2]['ms']:.4f} ms  fwd_bwd {rows[-1]['ms']:.4f} ms", flush=True)
+            timers[(name, mode)] = (step, err)
+    times = H.time_interleaved({k: v[0] for k, v in timers.items()}, rounds=rounds, warmup=warmup, rep=rep)
+    for (name, mode), (_, err) in timers.items():
+        rows.append({"bench": "linear", "M": M, "K": K, "N": N, "r": r, "dtype": "bfloat16", "mode": mode,
+                     "provider": name, **times[(name, mode)], "rel_err": err})
+    for name in provs:
+        cells = []
+        for mode in ("fwd", "fwd_bwd"):
+            t = times[(name, mode)]
+            spread = (max(t["rounds"]) - min(t["rounds"])) / t["ms"]  # the noise: rounds disagree by this
+            cells.append(f"{mode} {t['ms']:.4f} ms (rounds ±{spread / 2:.1%})")
+        print(f"  {name:15s} " + "  ".join(cells), flush=True)
     del xs, dys
     torch.cuda.empty_cache()
 
@@ -180,7 +192,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--no-check", action="store_true")
-    p.add_argument("--rep", type=int, default=200)
+    p.add_argument("--rep", type=int, default=200, help="ms of timing per provider and mode, over all rounds")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (see _harness.time_interleaved)")
     args = p.parse_args()
     names = [n for n in args.providers.split(",") if n]
     torch._dynamo.config.cache_size_limit = 64
@@ -192,10 +205,11 @@ def main() -> None:
     rows: list[dict] = []
     for M, K, N, r in shapes:
         print(f"M={M} K={K} N={N} r={r}", flush=True)
-        run_shape(M, K, N, r, names, public, not args.no_check, rows, 25, args.rep)
+        run_shape(M, K, N, r, names, public, not args.no_check, rows, 25, args.rep, args.rounds)
         # rewritten after every shape so a run cut short keeps what it measured
         path = H.write_results("linear" + ("-quick" if args.quick else ""), rows,
-                               {"tuned": tuned, "cache": cache, "fastaf_public_op": public is not None, "rep_ms": args.rep})
+                               {"tuned": tuned, "cache": cache, "fastaf_public_op": public is not None, "rep_ms": args.rep,
+                                  "rounds": args.rounds})
     print(f"\nwrote {path}\ntime / base (fwd|fwd_bwd):")
     print(H.ratio_table(rows, ("M", "K", "N", "r"), [n for n in names if n != "base"]))
 
