@@ -192,12 +192,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                   help="M values of the full run (a run split over device calls; merge the JSONs)")
     p.add_argument("--rep", type=int, default=200, help="ms of timing per provider and mode, over all rounds")
     p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (see _harness.time_interleaved)")
     args = p.parse_args()
     names = [n for n in args.providers.split(",") if n]
     torch._dynamo.config.cache_size_limit = 64
-    shapes = QUICK if args.quick else [(M, K, N, r) for M in TOKENS for K, N in KN for r in RANKS]
+    tokens = [int(m) for m in args.tokens.split(",") if m]
+    shapes = QUICK if args.quick else [(M, K, N, r) for M in tokens for K, N in KN for r in RANKS]
     public = _public_op() if "fastaf" in names else None
     tuned = _cache.load() is not None  # this machine's own fastaf-tune run
     cache = str(_cache.cache_path()) if tuned else str(_cache.shipped_path() or "none (defaults)")

@@ -57,6 +57,36 @@ def _smem_bytes(conf: dict, elt: int) -> int:
     return conf["num_stages"] * (bm * bk + bk * bn) * elt + bm * bn * elt
 
 
+def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
+    """Shared memory a config of ``phase`` needs at padded rank ``r_pad``: the pipelined tiles.
+
+    The skinny kernels' tiles grow with R_PAD, so a config tuned at r=16 can overflow at r=64:
+    fwd_h 64x256 with 4 stages takes 4 * (64*256 + 64*256) * 2 = 262144 bytes at R_PAD=64 (H100
+    limit 232448), which a nearest-shape cache lookup once handed to an r=64 launch.
+    """
+    st = conf["num_stages"]
+    if phase in ("gemm", "gemm_plain"):  # the epilogue's tiles reuse the main loop's buffers
+        bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
+        return max(st * (bm * bk + bk * bn), bm * bn + (bm + bn) * r_pad) * elt
+    if phase == "fwd_h":
+        return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
+    if phase == "bwd_dy":
+        return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_N"] * elt + conf["BLOCK_M"] * r_pad * elt
+    if phase == "bwd_da":
+        return st * (conf["BLOCK_M"] * conf["BLOCK_K"] * elt + r_pad * conf["BLOCK_M"] * 4)  # dh tile is fp32
+    return 0
+
+
+def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None:
+    """``conf`` with ``num_stages`` lowered (not below 2) until ``smem_bytes`` fits ``limit``; None if it cannot."""
+    conf = dict(conf)
+    while smem_bytes(phase, conf, r_pad, elt) > limit:
+        if conf["num_stages"] <= 2:
+            return None
+        conf["num_stages"] -= 1
+    return conf
+
+
 def gemm_configs(elt: int = 2) -> list[dict]:
     """Pruned gemm configs for Hopper (228 KB shared memory per SM)."""
 
@@ -464,9 +494,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[str, int, int]:
+def _device_info(index: int) -> tuple[str, int, int, int]:
+    """(name, SM count, compute capability major, shared memory per block in bytes)."""
     props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count, props.major
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024  # Hopper: 227 KB
+    return props.name, props.multi_processor_count, props.major, smem
+
+
+def _smem_limit(device: torch.device) -> int:
+    return _device_info(device.index)[3] if device.type == "cuda" else 1 << 30
 
 
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -529,6 +565,8 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
     """Override, else the tuning cache's nearest entry, else the default for ``phase``.
 
     A cached config may predate a meta-parameter (USE_TMA, DB_PARTIAL): the default fills it in.
+    A cached config tuned at another shape may not fit this one's shared memory (``fit``): its
+    stages are lowered, else the default (fitted the same way) is used.
     """
     if override is not None:
         return override
@@ -544,6 +582,9 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
         entry = _cache.lookup("kernels", f"lora_linear.{phase}", key)
         conf = entry["config"] if entry is not None and isinstance(entry.get("config"), dict) else phase_default
         conf = {**{k: v for k, v in phase_default.items() if k not in conf}, **conf}
+        if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
+            r_pad, elt, limit = _r_pad(key.get("R", 1)), 4 if key.get("dtype") == "float32" else 2, _smem_limit(device)
+            conf = fit(phase, conf, r_pad, elt, limit) or fit(phase, phase_default, r_pad, elt, limit) or phase_default
         _config_memo[memo_key] = conf
     return conf
 

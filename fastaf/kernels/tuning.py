@@ -97,6 +97,12 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
     dt = ll._key(dtype=dtype)["dtype"]
     elt = x.element_size()
 
+    limit = ll._smem_limit(x.device)
+
+    def fitting(phase: str, configs: list[dict]) -> list[dict]:
+        """The configs whose tiles fit shared memory at this rank (a failed compile costs seconds)."""
+        return [c for c in configs if ll.smem_bytes(phase, c, ll._r_pad(s.R), elt) <= limit]
+
     def put(phase: str, key: dict, conf: dict, ms: float) -> None:
         _cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
         log(f"    {phase:7s} {ms * 1e3:8.1f} us  {conf}")
@@ -111,13 +117,16 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
                              lambda c: ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
             put(phase, key, conf, ms)
     if "fwd_h" in kernels:
-        conf, ms = _best("fwd_h", ll.fwd_h_configs(), lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
+        conf, ms = _best("fwd_h", fitting("fwd_h", ll.fwd_h_configs()),
+                         lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
         put("fwd_h", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "bwd_dy" in kernels:
-        conf, ms = _best("bwd_dy", ll.bwd_dy_configs(), lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
+        conf, ms = _best("bwd_dy", fitting("bwd_dy", ll.bwd_dy_configs()),
+                         lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
         put("bwd_dy", ll._key(M=s.M, N=s.N, R=s.R, dtype=dt), conf, ms)
     if "bwd_da" in kernels:
-        conf, ms = _best("bwd_da", ll.bwd_da_configs(), lambda c: ll.bwd_da(dh, x, 0.0, None, config=c), rep_ms)
+        conf, ms = _best("bwd_da", fitting("bwd_da", ll.bwd_da_configs()),
+                         lambda c: ll.bwd_da(dh, x, 0.0, None, config=c), rep_ms)
         put("bwd_da", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "dispatch" in kernels:
         _cache.save(data)  # the fused path below reads the configs just tuned

@@ -128,3 +128,29 @@ def test_cli_shape_parsing(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}))
     assert cli._model_shapes(str(cfg)) == [(64, 64), (64, 128), (128, 64)]
+
+
+def test_config_borrowed_from_another_rank_is_fitted_to_shared_memory(monkeypatch):
+    """A fwd_h config tuned at r=16 overflowed shared memory at r=64 on the H100 (262144 > 232448
+    bytes, Triton's OutOfResources); borrowed configs now lose pipeline stages until they fit."""
+    import torch
+
+    from fastaf.kernels import lora_linear as ll
+
+    big = {"BLOCK_M": 64, "BLOCK_K": 256, "USE_TMA": 0, "num_warps": 4, "num_stages": 4}
+    key16 = {"M": 2048, "K": 4096, "R": 16, "dtype": "bfloat16"}
+    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data["kernels"]["lora_linear.fwd_h"] = [{"key": key16, "config": big}]
+    _cache.save(data)
+    ll.clear_memos()
+    monkeypatch.setattr(ll, "_smem_limit", lambda device: 232448)  # H100's opt-in limit
+    dev = torch.device("cuda", 0)  # only its type and index are read: no GPU needed
+    try:
+        assert ll.smem_bytes("fwd_h", big, 64, 2) == 262144  # the figure Triton reported
+        assert ll._config("fwd_h", dev, key16) == big  # measured at this very shape: trusted as is
+        conf = ll._config("fwd_h", dev, {**key16, "R": 64})
+        assert conf["num_stages"] == 3 and ll.smem_bytes("fwd_h", conf, 64, 2) <= 232448
+        assert {k: v for k, v in conf.items() if k != "num_stages"} == {k: v for k, v in big.items() if k != "num_stages"}
+        assert ll.fit("fwd_h", {**big, "BLOCK_M": 4096}, 64, 2, 232448) is None  # cannot fit: the caller's default
+    finally:
+        ll.clear_memos()
