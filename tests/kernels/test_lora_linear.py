@@ -242,3 +242,24 @@ def test_gpu_fast_launch_repeats():
     for xs in (x[:, :512], x[:, 1:513], x[:, :512]):
         as_ = a[:, 1:513] if xs.data_ptr() % 16 else a[:, :512]
         assert_close(ll.fwd_h(xs, as_, 0.0, None), xs.double() @ as_.double().T, torch.bfloat16, "h")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_gpu_every_tuned_gemm_config(weight_t):
+    """fastaf-tune picks gemm configs by speed alone: each one of the search (FLATTEN on and off,
+    every block shape and stage count) must compute the same result (fwd layout and dx layout)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the search is for Hopper")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, K, N, R = 1000, 640, 768, 16
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K**0.5
+    w_kn = w.T if not weight_t else w.T.contiguous()  # (K, N): forward's view, or K-major memory
+    h = torch.randn(M, R, device="cuda", dtype=torch.bfloat16, generator=g)
+    u = torch.randn(R, N, device="cuda", dtype=torch.bfloat16, generator=g) / R**0.5
+    want = x.double() @ w_kn.double() + 0.5 * h.double() @ u.double()
+    for conf in ll.gemm_configs():
+        y = ll.gemm(x, w_kn, h, u, None, 0.5, 0.0, None, torch.bfloat16, config=conf)
+        assert_close(y, want, torch.bfloat16, f"gemm {conf}")
