@@ -88,7 +88,12 @@ def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None
 
 
 def gemm_configs(elt: int = 2) -> list[dict]:
-    """Pruned gemm configs for Hopper (228 KB shared memory per SM)."""
+    """Pruned gemm configs for Hopper (228 KB shared memory per SM).
+
+    Tried and dropped: ``tl.range(..., flatten=True)`` over the tile loop (Triton's Hopper
+    persistent-matmul tutorial). On the H100 (triton 3.6) its 128x256x64 / 256x128x64 3-stage
+    configs ran out of shared memory and the ones that fit never won at any BENCH.md shape.
+    """
 
     def keep(conf: dict) -> bool:
         bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
@@ -103,11 +108,10 @@ def gemm_configs(elt: int = 2) -> list[dict]:
     for bm, bn, bk in ((128, 256, 64), (128, 128, 64), (128, 128, 128), (256, 128, 64), (128, 256, 128)):
         for stages in (3, 4, 5):
             for warps in (4, 8):
-                for flatten in ((0, 1) if stages < 5 else (0,)):  # 5 stages + flatten: no smem left
-                    conf = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk if elt == 2 else bk // 2,
-                                GROUP_M=8, FLATTEN=flatten, num_warps=warps, num_stages=stages)
-                    if keep(conf) and conf not in out:
-                        out.append(conf)
+                conf = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk if elt == 2 else bk // 2,
+                            GROUP_M=8, num_warps=warps, num_stages=stages)
+                if keep(conf) and conf not in out:
+                    out.append(conf)
     return out
 
 
@@ -160,8 +164,8 @@ CONFIGS = {"gemm": gemm_configs, "fwd_h": fwd_h_configs, "bwd_dy": bwd_dy_config
 # Untuned defaults on CUDA. gemm: 128x256x64, 3 stages, 8 warps is the best Hopper bf16 config of
 # Triton's persistent-matmul tutorial and of the BENCH.md sweep (1.00-1.05x cuBLAS on H200).
 DEFAULTS = {
-    "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=0, num_warps=8, num_stages=3),
-    "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=0, num_warps=4, num_stages=3),
+    "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
     # skinny kernels: the most frequent fastaf-tune winners on H200 (triton 3.6), e.g. fwd_h 28.8 us,
     # bwd_dy 45.6 us, bwd_da 32.0 us at M=8192 K=N=4096 r=64; TMA loads and db partials won only
     # at a few shapes (bwd_dy M<=8192 N=4096 r=16: 48.8 vs 53.4 us)
@@ -172,13 +176,13 @@ DEFAULTS = {
 }
 # fp32 tiles take twice the shared memory: 128x256x64 x 3 stages needed 393 KB (limit 227 KB).
 DEFAULTS_FP32 = {
-    "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=0, num_warps=8, num_stages=3),
-    "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, FLATTEN=0, num_warps=8, num_stages=3),
+    "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3),
+    "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3),
 }
 # TRITON_INTERPRET=1 (CPU tests): small blocks so odd shapes exercise every tail and the
 # persistent loop runs more than one tile per program.
 INTERPRET = {
-    "gemm": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=1, num_warps=4, num_stages=1),
+    "gemm": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
     "fwd_h": dict(BLOCK_M=16, BLOCK_K=32, USE_TMA=0, num_warps=4, num_stages=1),
     "bwd_dy": dict(BLOCK_M=16, BLOCK_N=16, SPLIT_N=2, USE_TMA=0, DB_PARTIAL=1, num_warps=4, num_stages=1),
     "bwd_da": dict(BLOCK_M=16, BLOCK_K=32, SPLIT_M=2, USE_TMA=0, num_warps=4, num_stages=1),
@@ -267,15 +271,13 @@ def _lora_linear_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Persistent y = x @ w + [bias] + [mask *] (l_scale * h) @ u, one (BLOCK_M, BLOCK_N) tile at a time.
 
     x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). The LoRA dot runs after the K
     loop so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
     USE_TMA needs unit stride on x's K, y's N and one of w's dims (W_K_CONTIG: w's K).
-    FLATTEN lets Triton's pipeliner treat the tile and K loops as one, so the next tile's loads
-    are in flight during this tile's epilogue (Triton's persistent-matmul tutorial does so on Hopper).
     """
     dtype = y_ptr.dtype.element_ty
     start = tl.program_id(0)
@@ -293,7 +295,7 @@ def _lora_linear_gemm_kernel(
                                                block_shape=[BLOCK_K, BLOCK_N])
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
-    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile_id in range(start, num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
