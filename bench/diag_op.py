@@ -49,17 +49,23 @@ def main() -> None:
     def public():
         return torch.autograd.grad(fa.functional.lora_linear(xg, W, None, lora), (xg, A, B), dy)
 
+    from bench.bench_linear import _AddmmLoRA
+
+    def addmm():  # the bench's unsloth-style provider: the host cost the public op must match
+        return torch.autograd.grad(_AddmmLoRA.apply(xg, W, A, B, s), (xg, A, B), dy)
+
     def base():
         return torch.nn.functional.linear(x, W), torch.mm(dy, W)
 
     print(f"M={M} K={K} N={N} r={r} bf16 on {torch.cuda.get_device_name()}")
-    for name, fn in (("base", base), ("launchers", launchers), ("ops", ops), ("function", function), ("public", public)):
+    for name, fn in (("base", base), ("launchers", launchers), ("ops", ops), ("function", function), ("addmm", addmm),
+                     ("public", public)):
         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(200):
             fn()
-        host = (time.perf_counter() - t0) / 20 * 1e3  # host time per call when not GPU-bound at first
+        host = (time.perf_counter() - t0) / 200 * 1e3  # host time per call when not GPU-bound at first
         torch.cuda.synchronize()
         print(f"  {name:10s} {ms:7.3f} ms   host-issue {host:6.3f} ms/call")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
