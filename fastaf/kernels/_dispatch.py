@@ -3,7 +3,7 @@
 The data is the tuning cache's ``dispatch`` section (``_cache``): per shape, the fused Triton
 path's and the cuBLAS + ``addmm`` path's measured GPU times. Its source, in order: the user's own
 ``fastaf-tune`` run on this GPU and triton version; else the cache fastaf ships for this GPU in
-``fastaf/kernels/tuned/`` (measured by us: NVIDIA H200 so far); else nothing, and ``DEFAULT``.
+``fastaf/kernels/tuned/`` (measured by us: NVIDIA H100 80GB HBM3 and H200); else nothing, and ``DEFAULT``.
 An untuned shape takes the nearest tuned one (``_cache.nearest``).
 
 The decision charges the fused path its host cost, because an op called on its own is
