@@ -8,7 +8,9 @@ Layers of this file, bottom up:
    (``fastaf.kernels.lora_linear``) or to the reference.
 3. ``_LoRALinearFn``, a new-style ``autograd.Function`` (forward without ctx, ``setup_context``,
    ``backward``, ``vmap``) joining the two ops. Not ``register_autograd``: that form fails under
-   ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps).
+   ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps). Plain eager calls (no transform,
+   no tracer) take ``_EagerLoRALinearFn`` instead: the same implementations and VJP without the
+   group axis, whose views and casts cost host time at small M.
 4. ``lora_linear``, the public function.
 
 Inside the ops every tensor carries a leading *group* axis, so one op call serves one adapter
