@@ -43,8 +43,9 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
 
     samples: dict = {k: [] for k in fns}
     medians: dict = {k: [] for k in fns}
-    for fn in fns.values():  # an untimed round first: a provider's first round ran up to 13%
-        triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // (2 * rounds)))  # slow on the H100
+    # An untimed round first: on the H100 a provider's first round ran up to 13% slow.
+    for fn in fns.values():
+        triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // (2 * rounds)))
     for _ in range(rounds):
         for key, fn in fns.items():
             times = triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // rounds), return_mode="all")

@@ -78,7 +78,10 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
 
 
 def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None:
-    """``conf`` with ``num_stages`` lowered (not below 2) until ``smem_bytes`` fits ``limit``; None if it cannot."""
+    """``conf`` with ``num_stages`` lowered (not below 2) until ``smem_bytes`` fits ``limit``.
+
+    None when even 2 stages do not fit.
+    """
     conf = dict(conf)
     while smem_bytes(phase, conf, r_pad, elt) > limit:
         if conf["num_stages"] <= 2:
@@ -573,11 +576,10 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
     A cached config tuned at another shape may not fit this one's shared memory (``fit``): its
     stages are lowered, else the default (fitted the same way) is used.
     """
+    if override is not None:
+        return override
     if device.type != "cuda":
-        interp = INTERPRET["gemm" if phase == "gemm_plain" else phase]
-        return interp if override is None else {**interp, **override}
-    if override is not None:  # a config from before a meta-parameter existed gets its default
-        return {**DEFAULTS[phase], **override}
+        return INTERPRET["gemm" if phase == "gemm_plain" else phase]
     if key.get("dtype") == "float32" and phase.startswith("gemm"):
         phase_default = DEFAULTS_FP32[phase]
     else:
@@ -589,8 +591,9 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
         conf = entry["config"] if entry is not None and isinstance(entry.get("config"), dict) else phase_default
         conf = {**{k: v for k, v in phase_default.items() if k not in conf}, **conf}
         if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
-            r_pad, elt, limit = _r_pad(key.get("R", 1)), 4 if key.get("dtype") == "float32" else 2, _smem_limit(device)
-            conf = fit(phase, conf, r_pad, elt, limit) or fit(phase, phase_default, r_pad, elt, limit) or phase_default
+            fits = functools.partial(fit, phase, r_pad=_r_pad(key.get("R", 1)), limit=_smem_limit(device),
+                                     elt=4 if key.get("dtype") == "float32" else 2)
+            conf = fits(conf) or fits(phase_default) or phase_default
         _config_memo[memo_key] = conf
     return conf
 
