@@ -51,12 +51,6 @@ MAX_RANK = 256  # R_PAD > 256 leaves no registers for the (BLOCK_M, R_PAD) accum
 # ----------------------------------------------------------------------------------------------
 
 
-def _smem_bytes(conf: dict, elt: int) -> int:
-    """Shared memory of the gemm main loop (stages x (lhs + rhs tile)) plus the out tile."""
-    bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
-    return conf["num_stages"] * (bm * bk + bk * bn) * elt + bm * bn * elt
-
-
 def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     """Shared memory a config of ``phase`` needs at padded rank ``r_pad``: the pipelined tiles.
 
@@ -65,10 +59,12 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     limit 232448), which a nearest-shape cache lookup once handed to an r=64 launch.
     """
     st = conf["num_stages"]
-    if phase in ("gemm", "gemm_plain"):  # the epilogue's tiles reuse the main loop's buffers
+    if phase in ("gemm", "gemm_plain"):
+        # triton 3.6 keeps the out tile apart from the pipeline buffers: the 128x256x64 3-stage
+        # FUSE_H gemm at R_PAD=64 asked for 237624 bytes on the H100 (3 * 28672 * 2 + 65536 + 56)
         bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
         down = r_pad * bk if conf.get("FUSE_H") else 0  # the fused forward's a tile per stage
-        return max(st * (bm * bk + bk * bn + down), bm * bn + (bm + bn) * r_pad) * elt
+        return (st * (bm * bk + bk * bn + down) + bm * bn) * elt
     if phase == "fwd_h":
         return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
     if phase == "bwd_dy":
@@ -101,7 +97,7 @@ def gemm_configs(elt: int = 2) -> list[dict]:
 
     def keep(conf: dict) -> bool:
         bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
-        if _smem_bytes(conf, elt) > 220 * 1024:
+        if smem_bytes("gemm", conf, 16, elt) > 220 * 1024:
             return False
         # a 128x256 fp32 accumulator is 256 registers/thread at 4 warps: spills
         if bm * bn >= 128 * 256 and conf["num_warps"] < 8:
@@ -869,6 +865,9 @@ def _gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tens
     def build():
         phase = "gemm" if tma else "gemm_plain"
         conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
+        if fuse and config is None:  # a config tuned without FUSE_H may not fit its a tiles
+            fits = functools.partial(fit, phase, r_pad=_r_pad(R), elt=_elt(x.dtype), limit=_smem_limit(dev))
+            conf = fits({**conf, "FUSE_H": 1}) or fits({**DEFAULTS[phase], "FUSE_H": 1}) or conf
         conf = {k: v for k, v in conf.items() if k != "FUSE_H"}  # a dispatch choice, set by the caller
         tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
         # fused: the interpreter runs programs one after another, so a waiting tile must share
