@@ -119,19 +119,25 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
             tma = ll._tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
             phase = "gemm" if tma else "gemm_plain"
             key = ll._gemm_key(M, N, K, s.R, dtype, wkn)
-            configs = ll.gemm_configs(elt)
-            if label == "fwd":  # the whole forward: fwd_h + gemm, or the gemm making h itself
-                configs = fitting(phase, [{**c, "FUSE_H": f} for f in (0, 1) for c in configs])
+            if label == "dx":
+                conf, ms = _best(phase, ll.gemm_configs(elt), lambda c: ll.gemm(
+                    lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
+                put(phase, key, conf, ms)
+                continue
 
-            def run(c: dict, lhs=lhs, wkn=wkn, low=low, up=up, label=label) -> object:
-                if label == "fwd" and c["FUSE_H"]:
+            def run(c: dict) -> object:  # the whole forward: fwd_h + gemm, or the gemm making h itself
+                if c["FUSE_H"]:
                     return ll.fwd_fused(x, w, None, a, b, 1.0, config=c)
-                if label == "fwd":
-                    low = ll.fwd_h(x, a, 0.0, None, config=fwd_h_conf)
-                return ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c)
+                return ll.gemm(x, w.T, ll.fwd_h(x, a, 0.0, None, config=fwd_h_conf), b.T, None, 1.0, 0.0,
+                               None, dtype, config=c)
 
-            conf, ms = _best(phase, configs, run, rep_ms)
-            put(phase, key, conf, ms)
+            best = {f: _best(phase, fitting(phase, [{**c, "FUSE_H": f} for c in ll.gemm_configs(elt)]), run, rep_ms)
+                    for f in (0, 1)}
+            # the two winners are a few percent apart: decide FUSE_H on alternating timings
+            ms = _bench_interleaved({f: (lambda c=conf: run(c)) for f, (conf, _) in best.items()}, rep_ms)
+            fuse = min(ms, key=ms.get)
+            log(f"    fwd     fwd_h+gemm {ms[0] * 1e3:8.1f} us  fused {ms[1] * 1e3:8.1f} us  -> FUSE_H={fuse}")
+            put(phase, key, best[fuse][0], ms[fuse])
     if "bwd_dy" in kernels:
         conf, ms = _best("bwd_dy", fitting("bwd_dy", ll.bwd_dy_configs()),
                          lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)

@@ -343,6 +343,8 @@ def test_gpu_fwd_fused_every_gemm_config():
     (the ready flags are zeroed per call: a stale flag would let a tile read h too early)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the search is for Hopper")
+    limit = ll._smem_limit(torch.device("cuda", torch.cuda.current_device()))
     for conf in ll.gemm_configs():
+        conf = ll.fit("gemm", {**conf, "FUSE_H": 1}, 64, 2, limit)  # as fastaf-tune and the launcher do
         for _ in range(3):
-            fused(2000, 1024, 2048, 64, dtype=torch.bfloat16, device="cuda", config={**conf, "FUSE_H": 1})
+            fused(2000, 1024, 2048, 64, dtype=torch.bfloat16, device="cuda", config=conf)
