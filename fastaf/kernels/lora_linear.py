@@ -51,6 +51,12 @@ MAX_RANK = 256  # R_PAD > 256 leaves no registers for the (BLOCK_M, R_PAD) accum
 # ----------------------------------------------------------------------------------------------
 
 
+def _smem_bytes(conf: dict, elt: int) -> int:
+    """Shared memory of the gemm main loop (stages x (lhs + rhs tile)) plus the out tile."""
+    bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
+    return conf["num_stages"] * (bm * bk + bk * bn) * elt + bm * bn * elt
+
+
 def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     """Shared memory a config of ``phase`` needs at padded rank ``r_pad``: the pipelined tiles.
 
@@ -60,11 +66,9 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     """
     st = conf["num_stages"]
     if phase in ("gemm", "gemm_plain"):
-        # triton 3.6 keeps the out tile apart from the pipeline buffers: the 128x256x64 3-stage
-        # FUSE_H gemm at R_PAD=64 asked for 237624 bytes on the H100 (3 * 28672 * 2 + 65536 + 56)
-        bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
-        down = r_pad * bk if conf.get("FUSE_H") else 0  # the fused forward's a tile per stage
-        return (st * (bm * bk + bk * bn + down) + bm * bn) * elt
+        # triton 3.6 keeps the out tile apart from the pipeline buffers: the default 128x256x64
+        # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24)
+        return _smem_bytes(conf, elt)
     if phase == "fwd_h":
         return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
     if phase == "bwd_dy":
@@ -90,14 +94,25 @@ def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None
 def gemm_configs(elt: int = 2) -> list[dict]:
     """Pruned gemm configs for Hopper (228 KB shared memory per SM).
 
-    Tried and dropped: ``tl.range(..., flatten=True)`` over the tile loop (Triton's Hopper
-    persistent-matmul tutorial). On the H100 (triton 3.6) its 128x256x64 / 256x128x64 3-stage
-    configs ran out of shared memory and the ones that fit never won at any BENCH.md shape.
+    Tried and dropped on the H100 (triton 3.6):
+    - ``tl.range(..., flatten=True)`` over the tile loop (Triton's Hopper persistent-matmul
+      tutorial): its 128x256x64 / 256x128x64 3-stage configs ran out of shared memory and the
+      ones that fit never won at any BENCH.md shape.
+    - h = x @ a.T made inside the forward gemm (no fwd_h pass): the first tile of each row
+      block also accumulated x_tile @ a_tile.T in its K loop, stored h and set a ready flag
+      (release); the other tiles of the row waited on the flag (acquire) before their LoRA dot;
+      those first tiles were scheduled before all others. Correct on the GPU, but a producer
+      tile ran 1.20x a plain tile at r=16 (the N=16 wgmma costs far more than its r/BLOCK_N
+      share of the MMA work) and its a tiles push r=64 to 2 stages, so the first wave's wait
+      ate the saved pass: fused / (fwd_h + gemm) = 1.00 at 8192x4096x4096 r=16, 0.98 at
+      8192x4096x14336 r=16, 1.09 at 2048x4096x4096 r=16, 1.11-1.09 at r=64 (best config each,
+      bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). A spin-wait also deadlocks when
+      not every program is resident (MPS or green-context SM limits): not worth ~2% at one shape.
     """
 
     def keep(conf: dict) -> bool:
         bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
-        if smem_bytes("gemm", conf, 16, elt) > 220 * 1024:
+        if _smem_bytes(conf, elt) > 220 * 1024:
             return False
         # a 128x256 fp32 accumulator is 256 registers/thread at 4 warps: spills
         if bm * bn >= 128 * 256 and conf["num_warps"] < 8:
@@ -257,71 +272,19 @@ def _lora_linear_fwd_h_kernel(
 
 
 @triton.jit
-def _gemm_operands(x_src, w_src, off_m, off_n, k0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                   USE_TMA: tl.constexpr, W_K_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) lhs tile and (BLOCK_K, BLOCK_N) rhs tile of one K step.
-
-    x_src / w_src are TMA descriptors when USE_TMA, else base pointers (masked loads).
-    """
-    if USE_TMA:
-        xt = x_src.load([off_m, k0])
-        if W_K_CONTIG:
-            wt = w_src.load([off_n, k0]).T
-        else:
-            wt = w_src.load([k0, off_n])
-    else:
-        offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_src + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        wt = tl.load(w_src + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn,
-                     mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-    return xt, wt
-
-
-@triton.jit
-def _k_loop(x_src, w_src, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            USE_TMA: tl.constexpr, W_K_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) fp32 accumulator of x @ w over all of K for one tile."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xt, wt = _gemm_operands(x_src, w_src, off_m, off_n, k0, M, N, K, stride_xm, stride_xk,
-                                stride_wk, stride_wn, USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K)
-        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def _down_operand(a_src, k0, R, K, stride_ar, stride_ak, USE_TMA: tl.constexpr, R_PAD: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """The (BLOCK_K, R_PAD) tile of a.T at K step k0 (rows >= R read as zero)."""
-    if USE_TMA:
-        at = a_src.load([0, k0]).T
-    else:
-        offs_r = tl.arange(0, R_PAD)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        at = tl.load(a_src + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                     mask=(offs_r[None, :] < R) & (offs_k[:, None] < K), other=0.0)
-    return at
-
-
-@triton.jit
 def _lora_linear_gemm_kernel(
     # pointers
-    x_ptr, w_ptr, h_ptr, u_ptr, bias_ptr, seed_ptr, y_ptr, a_ptr, ready_ptr,
+    x_ptr, w_ptr, h_ptr, u_ptr, bias_ptr, seed_ptr, y_ptr,
     # sizes
     M, N, K, R,
     # strides
     stride_xm, stride_xk, stride_wk, stride_wn, stride_hm, stride_hr, stride_ur, stride_un,
-    stride_ym, stride_yn, stride_ar, stride_ak,
+    stride_ym, stride_yn,
     # scalars
     NUM_PROGRAMS, l_scale, dropout_p,
     # meta
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    W_K_CONTIG: tl.constexpr, FUSE_H: tl.constexpr, R_PAD: tl.constexpr,
+    W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -330,14 +293,6 @@ def _lora_linear_gemm_kernel(
     x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). The LoRA dot runs after the K
     loop so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
     USE_TMA needs unit stride on x's K, y's N and one of w's dims (W_K_CONTIG: w's K).
-
-    FUSE_H (forward): h = x @ a.T is an output, made by the tile that first reads each row
-    block. The tiles with pid_n == 0 ("producers", ordered before every other tile) also
-    accumulate h over their K loop from the x tiles they load anyway (r / BLOCK_N more MMA work
-    on 1 / num_pid_n of the tiles), store it, then set ready[pid_m] (int32, zeroed by the
-    launcher) with release semantics. Every other tile waits for ready[pid_m] after its own K
-    loop, then reads h. No deadlock: the grid is at most one program per SM (all resident) and a
-    tile only waits on a lower tile id, which its program reaches first.
     """
     dtype = y_ptr.dtype.element_ty
     start = tl.program_id(0)
@@ -345,65 +300,42 @@ def _lora_linear_gemm_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     if USE_TMA:
-        x_src = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
-                                          block_shape=[BLOCK_M, BLOCK_K])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
         if W_K_CONTIG:  # w is (N, K) row-major in memory: load (BLOCK_N, BLOCK_K), transpose
-            w_src = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
-                                              block_shape=[BLOCK_N, BLOCK_K])
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
         else:
-            w_src = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_wk, 1],
-                                              block_shape=[BLOCK_K, BLOCK_N])
-        if FUSE_H:
-            a_src = tl.make_tensor_descriptor(a_ptr, shape=[R, K], strides=[stride_ar, 1],
-                                              block_shape=[R_PAD, BLOCK_K])
-        else:
-            a_src = a_ptr
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_wk, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
-    else:
-        x_src, w_src, a_src = x_ptr, w_ptr, a_ptr
     for tile_id in range(start, num_tiles, NUM_PROGRAMS):
-        if FUSE_H:  # producers first (tile_id < num_pid_m), then the rest in grouped order
-            producer = tile_id < num_pid_m
-            pid_m, pid_n = _tile_coords(tl.maximum(tile_id - num_pid_m, 0), num_pid_m,
-                                        tl.maximum(num_pid_n - 1, 1), GROUP_M)
-            pid_m = tl.where(producer, tile_id, pid_m)
-            pid_n = tl.where(producer, 0, pid_n + 1)
-        else:
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        offs_r = tl.arange(0, R_PAD)
-        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
-        h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
-        if FUSE_H:
-            if producer:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                h_acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    xt, wt = _gemm_operands(x_src, w_src, off_m, off_n, k0, M, N, K, stride_xm, stride_xk,
-                                            stride_wk, stride_wn, USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K)
-                    at = _down_operand(a_src, k0, R, K, stride_ar, stride_ak, USE_TMA, R_PAD, BLOCK_K)
-                    acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-                    h_acc = tl.dot(xt, at, h_acc, input_precision=DOT_PRECISION)
-                h = h_acc.to(h_ptr.dtype.element_ty)
-                tl.store(h_ptrs, h, mask=h_mask)
-                tl.debug_barrier()  # every thread's h stores happen before the release below
-                tl.atomic_xchg(ready_ptr + pid_m, 1, sem="release")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if USE_TMA:
+                xt = x_desc.load([off_m, k0])
+                if W_K_CONTIG:
+                    wt = w_desc.load([off_n, k0]).T
+                else:
+                    wt = w_desc.load([k0, off_n])
             else:
-                acc = _k_loop(x_src, w_src, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                              USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-                while tl.atomic_add(ready_ptr + pid_m, 0, sem="acquire") == 0:
-                    pass
-                h = tl.load(h_ptrs, mask=h_mask, other=0.0, cache_modifier=".cg")  # L2: another SM wrote it
-        else:
-            acc = _k_loop(x_src, w_src, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                          USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+                wt = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn,
+                             mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
 
         # LoRA epilogue: one (BLOCK_M, R_PAD) @ (R_PAD, BLOCK_N) dot.
+        offs_r = tl.arange(0, R_PAD)
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
+                    mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0.0)
         h = (h.to(tl.float32) * l_scale).to(dtype)
         u = tl.load(u_ptr + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0).to(dtype)
@@ -639,14 +571,12 @@ def _gemm_key(M: int, N: int, K: int, R: int, dtype: torch.dtype, w_kn: torch.Te
 _config_memo: dict[tuple, dict] = {}
 _choice_memo: dict[tuple, str] = {}
 _plan_memo: dict[tuple, tuple] = {}
-_fuse_memo: dict[tuple, bool] = {}
 
 
 def clear_memos() -> None:
     """Forget memoized configs, launch plans and dispatch choices (after the tuning cache changed)."""
     _config_memo.clear()
     _choice_memo.clear()
-    _fuse_memo.clear()
     _plan_memo.clear()
     _cache.forget()
 
@@ -828,35 +758,14 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     x (M, K); w_kn (K, N) any strides (a transposed view is fine); h (M, R) any float dtype;
     u_rn (R, N) any strides; bias (N,) or None. The dropout mask is that of an (M, N) input.
     """
-    return _gemm(x, w_kn, h, u_rn, bias, l_scale, dropout_p, seed, out_dtype, None, config, use_tma)
-
-
-def fwd_fused(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
-              b: torch.Tensor, scale: float, *, config: Optional[dict] = None,
-              use_tma: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h) of the forward without dropout in one gemm launch: h = x @ a.T made inside (FUSE_H).
-
-    x (M, K), weight (N, K), bias (N,) or None, a (R, K), b (N, R); y (M, N) and h (M, R) in x's dtype.
-    """
-    h = torch.empty((x.shape[0], a.shape[0]), device=x.device, dtype=x.dtype)
-    y = _gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype, a, config, use_tma)
-    return y, h
-
-
-def _gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
-          l_scale: float, dropout_p: float, seed: Optional[torch.Tensor], out_dtype: torch.dtype,
-          a_fuse: Optional[torch.Tensor], config: Optional[dict], use_tma: Optional[bool]) -> torch.Tensor:
-    """The gemm launch; with ``a_fuse`` (R, K) the kernel writes h = x @ a_fuse.T into ``h`` first."""
     M, K = x.shape
     N = w_kn.shape[1]
     R = h.shape[1]
     dev = x.device
-    fuse = a_fuse is not None
     w_k_contig = w_kn.stride(0) == 1
     # y is allocated contiguous below: TMA-ready iff its row stride N * elt is a multiple of 16 bytes
     tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_k_contig else 1)
-                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev)
-                    and (not fuse or _rows_tma_ready(a_fuse)))
+                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev))
     tma = tma_possible if use_tma is None else (use_tma and tma_possible)
     if use_tma and not tma_possible:
         raise ValueError("lora_linear.gemm: use_tma=True but the operands are not TMA-addressable")
@@ -865,31 +774,23 @@ def _gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tens
     def build():
         phase = "gemm" if tma else "gemm_plain"
         conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
-        if fuse and config is None:  # a config tuned without FUSE_H may not fit its a tiles
-            fits = functools.partial(fit, phase, r_pad=_r_pad(R), elt=_elt(x.dtype), limit=_smem_limit(dev))
-            conf = fits({**conf, "FUSE_H": 1}) or fits({**DEFAULTS[phase], "FUSE_H": 1}) or conf
-        conf = {k: v for k, v in conf.items() if k != "FUSE_H"}  # a dispatch choice, set by the caller
         tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
-        # fused: the interpreter runs programs one after another, so a waiting tile must share
-        # the single program of the tile it waits on
-        programs = 1 if fuse and dev.type != "cuda" else _num_programs(dev, tiles)
-        return ((programs,), programs, triton.cdiv(M, conf["BLOCK_M"]),
+        programs = _num_programs(dev, tiles)
+        return ((programs,), programs,
                 *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
-                       FUSE_H=fuse, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
+                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
 
     memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
-            fuse, _tf32(x.dtype), _conf_key(config))
-    grid, programs, row_blocks, meta, meta_key = _plan(memo, build)
+            _tf32(x.dtype), _conf_key(config))
+    grid, programs, meta, meta_key = _plan(memo, build)
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
-    ready = torch.zeros(row_blocks, device=dev, dtype=torch.int32) if fuse else x
-    a = a_fuse if fuse else x
     if tma and x.is_cuda:
         _ensure_allocator()
     _SITES["gemm"](grid, (
-        x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y, a, ready,
+        x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y,
         M, N, K, R,
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), h.stride(0), h.stride(1),
-        u_rn.stride(0), u_rn.stride(1), y.stride(0), y.stride(1), a.stride(0), a.stride(1),
+        u_rn.stride(0), u_rn.stride(1), y.stride(0), y.stride(1),
         programs, float(l_scale), float(dropout_p),
     ), meta, meta_key)
     return y
@@ -989,7 +890,7 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
 # (kernel, pointer args, int args): the launch sites key on those (see _launch)
 _SITES = {
     "fwd_h": _launch.LaunchSite(_lora_linear_fwd_h_kernel, 4, 9),
-    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 9, 17),
+    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 7, 15),
     "bwd_dy": _launch.LaunchSite(_lora_linear_bwd_dy_kernel, 5, 9),
     "bwd_db": _launch.LaunchSite(_lora_linear_bwd_db_kernel, 2, 2),
     "bwd_da": _launch.LaunchSite(_lora_linear_bwd_da_kernel, 4, 5),
@@ -1030,25 +931,9 @@ def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optio
         y = torch.nn.functional.linear(x, weight, bias)  # (M, N)
         y.addmm_(h, b.T, alpha=scale)
         return y, h
-    if dropout_p == 0 and _fuses_h(x, weight, a):
-        return fwd_fused(x, weight, bias, a, b, scale)
     h = fwd_h(x, a, dropout_p, seed)  # (M, R)
     y = gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)  # (M, N)
     return y, h
-
-
-def _fuses_h(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether the forward gemm's config (tuned per shape) makes h inside the gemm (FUSE_H)."""
-    (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
-    memo_key = (x.device.index, M, K, N, R, x.dtype, weight.stride(), a.stride())
-    fuse = _fuse_memo.get(memo_key)
-    if fuse is None:
-        w_kn = weight.T
-        tma = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_kn.stride(0) == 1 else 1) and _rows_tma_ready(a)
-               and _hopper(x.device))
-        conf = _config("gemm" if tma else "gemm_plain", x.device, _gemm_key(M, N, K, R, x.dtype, w_kn))
-        fuse = _fuse_memo[memo_key] = bool(conf.get("FUSE_H", 0))
-    return fuse
 
 
 def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -1,9 +1,8 @@
 """Tuning of the kernel families for given layer shapes; ``fastaf-tune`` is its command line.
 
 For each (M tokens, K in, N out, R rank) it times every pruned config of each kernel phase of
-``lora_linear`` (fwd_h, gemm forward, gemm dx, bwd_dy, bwd_da) with ``triton.testing.do_bench``
-(median), keeps the fastest (the forward gemm is timed with the fwd_h pass it needs, against the
-same configs with FUSE_H, where the gemm makes h itself), then times the fused path against the cuBLAS+addmm path for the
+``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) with ``triton.testing.do_bench``
+(median), keeps the fastest, then times the fused path against the cuBLAS+addmm path for the
 forward and the backward and records the winner, which ``_dispatch.choose`` reads. Results go to
 the tuning cache (``_cache``), keyed by GPU name and triton version.
 """
@@ -108,36 +107,19 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
         _cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
         log(f"    {phase:7s} {ms * 1e3:8.1f} us  {conf}")
 
-    fwd_h_conf = None  # the forward gemm below is timed with the fwd_h it would run after
-    if "fwd_h" in kernels:
-        fwd_h_conf, ms = _best("fwd_h", fitting("fwd_h", ll.fwd_h_configs()),
-                               lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
-        put("fwd_h", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), fwd_h_conf, ms)
     if "gemm" in kernels:
         for wkn, lhs, low, up, label in ((w.T, x, h, b.T, "fwd"), (w, dy, dh, a, "dx")):
             M, K, N = lhs.shape[0], lhs.shape[1], wkn.shape[1]
             tma = ll._tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
             phase = "gemm" if tma else "gemm_plain"
             key = ll._gemm_key(M, N, K, s.R, dtype, wkn)
-            if label == "dx":
-                conf, ms = _best(phase, ll.gemm_configs(elt), lambda c: ll.gemm(
-                    lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
-                put(phase, key, conf, ms)
-                continue
-
-            def run(c: dict) -> object:  # the whole forward: fwd_h + gemm, or the gemm making h itself
-                if c["FUSE_H"]:
-                    return ll.fwd_fused(x, w, None, a, b, 1.0, config=c)
-                return ll.gemm(x, w.T, ll.fwd_h(x, a, 0.0, None, config=fwd_h_conf), b.T, None, 1.0, 0.0,
-                               None, dtype, config=c)
-
-            best = {f: _best(phase, fitting(phase, [{**c, "FUSE_H": f} for c in ll.gemm_configs(elt)]), run, rep_ms)
-                    for f in (0, 1)}
-            # the two winners are a few percent apart: decide FUSE_H on alternating timings
-            ms = _bench_interleaved({f: (lambda c=conf: run(c)) for f, (conf, _) in best.items()}, rep_ms)
-            fuse = min(ms, key=ms.get)
-            log(f"    fwd     fwd_h+gemm {ms[0] * 1e3:8.1f} us  fused {ms[1] * 1e3:8.1f} us  -> FUSE_H={fuse}")
-            put(phase, key, best[fuse][0], ms[fuse])
+            conf, ms = _best(phase, ll.gemm_configs(elt),
+                             lambda c: ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
+            put(phase, key, conf, ms)
+    if "fwd_h" in kernels:
+        conf, ms = _best("fwd_h", fitting("fwd_h", ll.fwd_h_configs()),
+                         lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
+        put("fwd_h", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "bwd_dy" in kernels:
         conf, ms = _best("bwd_dy", fitting("bwd_dy", ll.bwd_dy_configs()),
                          lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
