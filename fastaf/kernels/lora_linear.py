@@ -51,12 +51,6 @@ MAX_RANK = 256  # R_PAD > 256 leaves no registers for the (BLOCK_M, R_PAD) accum
 # ----------------------------------------------------------------------------------------------
 
 
-def _smem_bytes(conf: dict, elt: int) -> int:
-    """Shared memory of the gemm main loop (stages x (lhs + rhs tile)) plus the out tile."""
-    bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
-    return conf["num_stages"] * (bm * bk + bk * bn) * elt + bm * bn * elt
-
-
 def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     """Shared memory a config of ``phase`` needs at padded rank ``r_pad``: the pipelined tiles.
 
@@ -68,7 +62,8 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     if phase in ("gemm", "gemm_plain"):
         # triton 3.6 keeps the out tile apart from the pipeline buffers: the default 128x256x64
         # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24)
-        return _smem_bytes(conf, elt)
+        bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
+        return (st * (bm * bk + bk * bn) + bm * bn) * elt
     if phase == "fwd_h":
         return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
     if phase == "bwd_dy":
@@ -100,19 +95,21 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       ones that fit never won at any BENCH.md shape.
     - h = x @ a.T made inside the forward gemm (no fwd_h pass): the first tile of each row
       block also accumulated x_tile @ a_tile.T in its K loop, stored h and set a ready flag
-      (release); the other tiles of the row waited on the flag (acquire) before their LoRA dot;
-      those first tiles were scheduled before all others. Correct on the GPU, but a producer
-      tile ran 1.20x a plain tile at r=16 (the N=16 wgmma costs far more than its r/BLOCK_N
-      share of the MMA work) and its a tiles push r=64 to 2 stages, so the first wave's wait
-      ate the saved pass: fused / (fwd_h + gemm) = 1.00 at 8192x4096x4096 r=16, 0.98 at
-      8192x4096x14336 r=16, 1.09 at 2048x4096x4096 r=16, 1.11-1.09 at r=64 (best config each,
-      bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). A spin-wait also deadlocks when
-      not every program is resident (MPS or green-context SM limits): not worth ~2% at one shape.
+      (release); the other tiles of the row waited on the flag (acquire) before their LoRA
+      dot; those first tiles were scheduled before all others. Correct on the GPU, but a
+      producer tile ran 1.20x a plain one at r=16 (every tile a producer: 90.0 vs 75.2 us;
+      the N=16 wgmma costs far more than its r / BLOCK_N share of the MMA work) and its a
+      tiles push r=64 to 2 stages, so the first wave's wait ate the saved pass. Fused over
+      fwd_h + gemm, best config each: 1.00 at 8192x4096x4096 r=16, 0.98 at 8192x4096x14336
+      r=16, 1.09 at 2048x4096x4096 r=16, 1.11 and 1.09 at the two r=64 shapes
+      (bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). Its spin-wait also deadlocks
+      when not every program is resident (MPS or green-context SM limits): not worth ~2% at
+      one shape.
     """
 
     def keep(conf: dict) -> bool:
         bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
-        if _smem_bytes(conf, elt) > 220 * 1024:
+        if smem_bytes("gemm", conf, 16, elt) > 220 * 1024:
             return False
         # a 128x256 fp32 accumulator is 256 registers/thread at 4 warps: spills
         if bm * bn >= 128 * 256 and conf["num_warps"] < 8:
