@@ -98,8 +98,8 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       (release); the other tiles of the row waited on the flag (acquire) before their LoRA
       dot; those first tiles were scheduled before all others. Correct on the GPU, but a
       producer tile ran 1.20x a plain one at r=16 (every tile a producer: 90.0 vs 75.2 us;
-      the N=16 wgmma costs far more than its r / BLOCK_N share of the MMA work) and its a
-      tiles push r=64 to 2 stages, so the first wave's wait ate the saved pass. Fused over
+      its r / BLOCK_N share of the MMA work predicts 1.06x) and its a tiles push r=64 to 2
+      stages, so the first wave's wait ate the saved pass. Fused over
       fwd_h + gemm, best config each: 1.00 at 8192x4096x4096 r=16, 0.98 at 8192x4096x14336
       r=16, 1.09 at 2048x4096x4096 r=16, 1.11 and 1.09 at the two r=64 shapes
       (bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). Its spin-wait also deadlocks
