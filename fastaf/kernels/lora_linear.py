@@ -61,7 +61,8 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
     st = conf["num_stages"]
     if phase in ("gemm", "gemm_plain"):
         # triton 3.6 keeps the out tile apart from the pipeline buffers: the default 128x256x64
-        # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24)
+        # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24). gemm_plain
+        # stores y from registers: counting its out tile too only errs on the safe side
         bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
         return (st * (bm * bk + bk * bn) + bm * bn) * elt
     if phase == "fwd_h":
