@@ -9,8 +9,10 @@ op's fwd+bwd (CUDA time and host time per op) and the host time per call of each
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,5 +106,104 @@ def host_profile(M: int = 2048, K: int = 4096, N: int = 4096, r: int = 16) -> No
     pstats.Stats(prof).sort_stats("cumtime").print_stats("fastaf", 25)
 
 
+def host_bisect(M: int = 2048, K: int = 4096, N: int = 4096, r: int = 16) -> None:
+    """Host time per call of each layer between the public op and the raw cuBLAS ops, fwd and fwd+bwd.
+
+    Host time is measured on a nearly idle GPU: each variant's calls are issued back to back and
+    timed before the synchronize, at a shape given on the command line. Then a cProfile of the
+    public op's and the addmm Function's fwd+bwd with single-threaded autograd.
+    """
+    import cProfile
+    import pstats
+
+    from bench.bench_linear import _AddmmLoRA
+    from fastaf.functional import _lora_linear as L
+
+    dev, dt, s = "cuda", torch.bfloat16, 2.0
+    xg = torch.randn(M, K, device=dev, dtype=dt, requires_grad=True)
+    W = torch.randn(N, K, device=dev, dtype=dt) / math.sqrt(K)
+    A = (torch.randn(r, K, device=dev, dtype=dt) / math.sqrt(K)).requires_grad_()
+    B = (torch.randn(N, r, device=dev, dtype=dt) / math.sqrt(r)).requires_grad_()
+    dy = torch.randn(M, N, device=dev, dtype=dt)
+    lora = fa.LoRA(A, B, s)
+    x, Ad, Bd = xg.detach(), A.detach(), B.detach()
+    grads = (xg, A, B)
+    print(f"host bisect M={M} K={K} N={N} r={r}: dispatch fwd={ll._choose('auto', 'fwd', x, M, K, N, r)} "
+          f"bwd={ll._choose('auto', 'bwd', x, M, K, N, r)}")
+
+    def raw_fwd():
+        h = x @ Ad.T
+        return torch.nn.functional.linear(x, W).addmm_(h, Bd.T, alpha=s), h
+
+    def raw_bwd(h):
+        dh = torch.mm(dy, Bd).mul_(s)
+        db = torch.mm(dy.T, h).mul_(s)
+        return torch.mm(dy, W).addmm_(dh, Ad), torch.mm(dh.T, x), db
+
+    variants = {
+        "raw ops": (lambda: raw_fwd(), lambda: raw_bwd(raw_fwd()[1])),
+        "launchers": (lambda: ll.lora_linear_fwd_unchecked(x, W, None, Ad, Bd, s, 0.0, None, "auto"),
+                      lambda: ll.lora_linear_bwd_unchecked(
+                          dy, x, W, Ad, Bd, ll.lora_linear_fwd_unchecked(x, W, None, Ad, Bd, s, 0.0, None, "auto")[1],
+                          s, 0.0, None, True, "auto")),
+        "addmm Function": (lambda: _AddmmLoRA.apply(xg, W, A, B, s),
+                           lambda: torch.autograd.grad(_AddmmLoRA.apply(xg, W, A, B, s), grads, dy)),
+        "eager Function": (lambda: L._eager_apply(xg, W, None, A, B, s, 0.0, None, "auto"),
+                           lambda: torch.autograd.grad(L._eager_apply(xg, W, None, A, B, s, 0.0, None, "auto"),
+                                                       grads, dy)),
+        "public": (lambda: fa.functional.lora_linear(xg, W, None, lora),
+                   lambda: torch.autograd.grad(fa.functional.lora_linear(xg, W, None, lora), grads, dy)),
+    }
+    # rounds interleave the variants, so a noisy stretch of the host spreads over all of them
+    timings: dict[tuple[str, str, bool], list[float]] = {}
+    for _ in range(8):
+        for threads in (True, False):  # autograd's device thread runs the backward, or this thread
+            torch.autograd.set_multithreading_enabled(threads)
+            for name, fns in variants.items():
+                for mode, fn in zip(("fwd", "fwd+bwd"), fns):
+                    if mode == "fwd" and not threads:
+                        continue
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(40):
+                        fn()
+                    timings.setdefault((name, mode, threads), []).append((time.perf_counter() - t0) / 40 * 1e6)
+    torch.autograd.set_multithreading_enabled(True)
+    print("  host us per call: median (min) of 8 interleaved rounds of 40 calls")
+    for name in variants:
+        cells = [f"{mode}{'' if threads else ' 1-thread'} {statistics.median(v):6.1f} ({min(v):6.1f})"
+                 for (n, mode, threads), v in timings.items() if n == name]
+        print(f"  {name:16s} " + "   ".join(cells))
+    # GPU-timed as bench_linear times it (do_bench clears L2 between calls): a host-bound variant
+    # reads as host time, and a variant that waits on the GPU somewhere reads as host + GPU time
+    for name, (fwd, fwd_bwd) in variants.items():
+        ms = [triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for fn in (fwd, fwd_bwd)]
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fwd_bwd()
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0][:80] for w in caught if "synchroniz" in str(w.message)]
+        print(f"  {name:16s} do_bench fwd {ms[0]:.4f} ms  fwd+bwd {ms[1]:.4f} ms   syncs: {syncs or 'none'}")
+    torch.cuda.synchronize()
+    torch.autograd.set_multithreading_enabled(False)  # cProfile sees only the calling thread
+    for name in ("public", "addmm Function") if "--cprofile" in sys.argv else ():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            variants[name][1]()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"---- cProfile: {name} fwd+bwd x100")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 if __name__ == "__main__":
-    host_profile() if "--host-profile" in sys.argv else main()
+    if "--host-profile" in sys.argv:
+        host_profile()
+    elif "--host-bisect" in sys.argv:
+        host_bisect(*(int(v) for v in sys.argv[2:6] if v.isdigit()))
+    else:
+        main()

@@ -383,7 +383,8 @@ class _EagerLoRALinearFn(torch.autograd.Function):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
         a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
-        if _use_triton(impl, x2):
+        ctx.triton = _use_triton(impl, x2)
+        if ctx.triton:
             y, h = _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl)
         else:
             y, h = reference_fwd(x2[None], weight[None], None if bias is None else bias[None], a[None], b[None],
@@ -402,7 +403,7 @@ class _EagerLoRALinearFn(torch.autograd.Function):
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
         args = (ctx.scale, ctx.dropout_p, seed, need_x)
-        if _use_triton(ctx.impl, x2):
+        if ctx.triton:
             dx, da, db = _kernels().lora_linear_bwd_unchecked(dy2, x2, weight, a, b, h, *args, ctx.impl)
         else:
             dx, da, db = (t[0] for t in reference_bwd(dy2[None], x2[None], weight[None], a[None], b[None], h[None],
@@ -424,6 +425,10 @@ _eager_apply = super(torch.autograd.Function, _EagerLoRALinearFn).apply  # Funct
 
 
 # ---- 4. public function -----------------------------------------------------------------------
+
+
+# one flag read; the per-device query below it costs a torch.device per call
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: str, where: str) -> None:
@@ -480,7 +485,7 @@ def lora_linear(
     Returns:
         (..., N) in x's dtype.
     """
-    if torch.is_autocast_enabled(x.device.type):
+    if _any_autocast() and torch.is_autocast_enabled(x.device.type):
         # The custom op sits below autocast, so cast here as autocast would cast F.linear.
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)

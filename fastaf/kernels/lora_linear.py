@@ -960,8 +960,11 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     """``lora_linear_bwd`` without its input checks, for callers that validated already."""
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
-        dh = torch.mm(dy, b).mul_(scale)  # (M, R)
-        db = torch.mm(dy.T, h).mul_(scale)  # (N, R)
+        # addmm with beta=0 applies the scale in the GEMM's fp32 epilogue: one launch where
+        # mm + mul_ took two (host time at launch-bound M) and one rounding instead of two.
+        # With beta=0 torch ignores the added input (documented), so h and b stand in for it.
+        dh = torch.addmm(h, dy, b, beta=0, alpha=scale)  # (M, R)
+        db = torch.addmm(b, dy.T, h, beta=0, alpha=scale)  # (N, R)
         d = _dropped(x, seed, dropout_p) if dropout_p > 0 else x
         da = torch.mm(dh.T, d)  # (R, K)
         dx = None
