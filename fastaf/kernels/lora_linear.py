@@ -64,10 +64,7 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
         # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24). gemm_plain
         # stores y from registers: counting its out tile too only errs on the safe side
         bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
-        out_tile = bm * bn // (2 if conf.get("SPLIT_STORE") else 1)
-        # PREFETCH_LORA: u's (R_PAD, BLOCK_N) tile sits in shared memory through the K loop
-        u_tile = r_pad * bn if conf.get("PREFETCH_LORA") else 0
-        return (st * (bm * bk + bk * bn) + out_tile + u_tile) * elt
+        return (st * (bm * bk + bk * bn) + bm * bn) * elt
     if phase == "fwd_h":
         return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
     if phase == "bwd_dy":
@@ -90,11 +87,6 @@ def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None
     return conf
 
 
-# the gemm kernel's optional constexprs, off unless a config turns them on (the launch site
-# needs every constexpr in the meta)
-GEMM_FLAGS = {"PREFETCH_LORA": 0, "SPLIT_STORE": 0}
-
-
 def gemm_configs(elt: int = 2) -> list[dict]:
     """Pruned gemm configs for Hopper (228 KB shared memory per SM).
 
@@ -114,6 +106,12 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       (bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). Its spin-wait also deadlocks
       when not every program is resident (MPS or green-context SM limits): not worth ~2% at
       one shape.
+    - Two flags on the 128x256x64 tile: the h and u loads issued before the K loop instead of
+      after it, and y stored in two TMA halves so a 4th stage fits (229376 bytes). In one
+      interleaved CUDA-graph A/B over the 24 gemm shapes of the BENCH.md set at M >= 8192
+      (old picks against picks made with the flags in the search), neither moved our gemm's
+      ratio to cuBLAS beyond the +-2% noise; the 4-stage split store averaged ~1% slower.
+      (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json holds the first comparison.)
     """
 
     def keep(conf: dict) -> bool:
@@ -133,12 +131,6 @@ def gemm_configs(elt: int = 2) -> list[dict]:
                             GROUP_M=8, num_warps=warps, num_stages=stages)
                 if keep(conf) and conf not in out:
                     out.append(conf)
-    # the flags on the 128x256x64 tile that was fastest at most BENCH.md shapes: the LoRA loads
-    # ahead of the K loop (3 stages), and a split store that leaves room for a 4th stage
-    big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64 if elt == 2 else 32, GROUP_M=8, num_warps=8)
-    for conf in (dict(big, num_stages=3, PREFETCH_LORA=1), dict(big, num_stages=4, SPLIT_STORE=1)):
-        if smem_bytes("gemm", conf, 16, elt) <= 227 * 1024:
-            out.append(conf)
     return out
 
 
@@ -284,17 +276,6 @@ def _lora_linear_fwd_h_kernel(
 
 
 @triton.jit
-def _lora_operands(h_ptr, u_ptr, offs_m, offs_n, offs_r, M, N, R, stride_hm, stride_hr, stride_ur, stride_un,
-                   l_scale, dtype: tl.constexpr):
-    """The gemm's LoRA operands: (l_scale * h tile (BLOCK_M, R_PAD), u tile (R_PAD, BLOCK_N)) in dtype."""
-    h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
-                mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0.0)
-    u = tl.load(u_ptr + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
-                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)
-    return (h.to(tl.float32) * l_scale).to(dtype), u.to(dtype)
-
-
-@triton.jit
 def _lora_linear_gemm_kernel(
     # pointers
     x_ptr, w_ptr, h_ptr, u_ptr, bias_ptr, seed_ptr, y_ptr,
@@ -309,15 +290,12 @@ def _lora_linear_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFETCH_LORA: tl.constexpr = 0, SPLIT_STORE: tl.constexpr = 0,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Persistent y = x @ w + [bias] + [mask *] (l_scale * h) @ u, one (BLOCK_M, BLOCK_N) tile at a time.
 
     x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). The LoRA dot runs after the K
     loop so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
-    PREFETCH_LORA issues the h and u loads before the K loop, so their latency hides under it
-    instead of stalling every tile's epilogue. SPLIT_STORE (USE_TMA only) stores y in two
-    (BLOCK_M, BLOCK_N / 2) halves: half the out tile in shared memory, room for one more stage.
     USE_TMA needs unit stride on x's K, y's N and one of w's dims (W_K_CONTIG: w's K).
     """
     dtype = y_ptr.dtype.element_ty
@@ -335,17 +313,13 @@ def _lora_linear_gemm_kernel(
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_wk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N // 2 if SPLIT_STORE else BLOCK_N])
-    offs_r = tl.arange(0, R_PAD)
+                                           block_shape=[BLOCK_M, BLOCK_N])
     for tile_id in range(start, num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        if PREFETCH_LORA:
-            h, u = _lora_operands(h_ptr, u_ptr, offs_m, offs_n, offs_r, M, N, R,
-                                  stride_hm, stride_hr, stride_ur, stride_un, l_scale, dtype)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if USE_TMA:
@@ -363,9 +337,12 @@ def _lora_linear_gemm_kernel(
             acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
 
         # LoRA epilogue: one (BLOCK_M, R_PAD) @ (R_PAD, BLOCK_N) dot.
-        if not PREFETCH_LORA:
-            h, u = _lora_operands(h_ptr, u_ptr, offs_m, offs_n, offs_r, M, N, R,
-                                  stride_hm, stride_hr, stride_ur, stride_un, l_scale, dtype)
+        offs_r = tl.arange(0, R_PAD)
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
+                    mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0.0)
+        h = (h.to(tl.float32) * l_scale).to(dtype)
+        u = tl.load(u_ptr + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
+                    mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0).to(dtype)
         if HAS_DROPOUT:
             lora = tl.dot(h, u, input_precision=DOT_PRECISION)
             keep = dropout_keep(seed_ptr, offs_m[:, None] * N + offs_n[None, :], dropout_p)
@@ -375,12 +352,7 @@ def _lora_linear_gemm_kernel(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias[None, :].to(tl.float32)
-        if USE_TMA and SPLIT_STORE:
-            halves = tl.permute(tl.reshape(acc.to(dtype), (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            y0, y1 = tl.split(halves)
-            y_desc.store([off_m, off_n], y0)
-            y_desc.store([off_m, off_n + BLOCK_N // 2], y1)
-        elif USE_TMA:
+        if USE_TMA:
             y_desc.store([off_m, off_n], acc.to(dtype))
         else:
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(dtype),
@@ -633,7 +605,9 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
     if conf is None:
         entry = _cache.lookup("kernels", f"lora_linear.{phase}", key)
         conf = entry["config"] if entry is not None and isinstance(entry.get("config"), dict) else phase_default
-        conf = {**{k: v for k, v in phase_default.items() if k not in conf}, **conf}
+        # the default's keys exactly: it fills in a meta-parameter the entry predates, and a key
+        # this version's kernel does not take (a cache from another fastaf) is dropped
+        conf = {k: conf.get(k, v) for k, v in phase_default.items()}
         if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
             fits = functools.partial(fit, phase, r_pad=_r_pad(key.get("R", 1)), limit=_smem_limit(device),
                                      elt=4 if key.get("dtype") == "float32" else 2)
@@ -805,8 +779,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
 
     def build():
         phase = "gemm" if tma else "gemm_plain"
-        conf = {**GEMM_FLAGS, **_config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)}
-        conf["SPLIT_STORE"] = int(bool(conf["SPLIT_STORE"]) and tma)  # a TMA store only
+        conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
         tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
         programs = _num_programs(dev, tiles)
         return ((programs,), programs,

@@ -154,3 +154,24 @@ def test_config_borrowed_from_another_rank_is_fitted_to_shared_memory(monkeypatc
         assert ll.fit("fwd_h", {**big, "BLOCK_M": 4096}, 64, 2, 232448) is None  # cannot fit: the caller's default
     finally:
         ll.clear_memos()
+
+
+def test_cached_config_keys_follow_this_versions_kernel():
+    """A cache entry from another fastaf version: a meta-parameter it lacks comes from the
+    default, and one this kernel does not take (a dropped flag) is left out, not passed to Triton."""
+    import torch
+
+    from fastaf.kernels import lora_linear as ll
+
+    key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
+    old = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_STORE": 1}
+    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data["kernels"]["lora_linear.gemm"] = [{"key": key, "config": old}]
+    _cache.save(data)
+    ll.clear_memos()
+    try:
+        conf = ll._config("gemm", torch.device("cuda", 0), key)
+        assert conf == {**ll.DEFAULTS["gemm"], **{k: v for k, v in old.items() if k != "SPLIT_STORE"}}
+        assert conf["GROUP_M"] == ll.DEFAULTS["gemm"]["GROUP_M"]  # absent from the entry
+    finally:
+        ll.clear_memos()

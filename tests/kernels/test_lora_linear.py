@@ -150,38 +150,6 @@ def test_skinny_variants(case, p):
     skinny(*TMA, 5, p, SKINNY[case], device=device, key=key)  # TMA shapes: 16-byte row strides
 
 
-@needs_triton
-@pytest.mark.parametrize("prefetch,split", [(1, 0), (0, 1), (1, 1)])
-@pytest.mark.parametrize("p", [0.0, 0.3])
-def test_gemm_flags(prefetch, split, p):
-    """PREFETCH_LORA (h, u loaded before the K loop) and SPLIT_STORE (y stored in two halves) give
-    the reference, with bias and dropout, at TMA-ready odd shapes (M, N tails in both halves)."""
-    device = "cuda" if HAS_CUDA else "cpu"
-    key = "tf32" if HAS_CUDA and torch.backends.cuda.matmul.allow_tf32 else torch.float32
-    M, K, N, R = 37, 44, 52, 5
-    x, weight, bias, a, b, _, seed_t = make(M, K, N, R, torch.float32, device, p=p)
-    h = torch.randn(M, R, device=device)
-    conf = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1,
-                PREFETCH_LORA=prefetch, SPLIT_STORE=split)
-    y = ll.gemm(x, weight.T, h, b.T, bias, 0.5, p, seed_t, torch.float32, config=conf)
-    lora = 0.5 * h.double() @ b.double().T
-    if p > 0:
-        lora = lora * keep_mask(seed_t, M, N, p, x.device).double() / (1 - p)
-    assert_close(y, x.double() @ weight.double().T + bias.double() + lora, key, f"gemm {conf}")
-
-
-def test_gemm_smem_model_of_the_flags():
-    """SPLIT_STORE keeps half the out tile in shared memory: 128x256x64 fits 4 stages (229376 B);
-    PREFETCH_LORA keeps u's tile there through the K loop (+R_PAD * BLOCK_N elements)."""
-    conf = dict(ll.DEFAULTS["gemm"], num_stages=4, SPLIT_STORE=1)
-    assert ll.smem_bytes("gemm", conf, 16, 2) == 4 * (128 * 64 + 64 * 256) * 2 + 128 * 128 * 2 == 229376
-    assert ll.fit("gemm", conf, 16, 2, 232448) == conf  # the H100's 227 KB opt-in limit
-    assert ll.fit("gemm", {**conf, "SPLIT_STORE": 0}, 16, 2, 232448)["num_stages"] == 3
-    # sm_90 compiles (triton 3.9 here): 229408 split at 4 stages, 221208 prefetching at 3 (+24 barriers)
-    assert ll.smem_bytes("gemm", {**conf, "num_stages": 3, "SPLIT_STORE": 0, "PREFETCH_LORA": 1}, 16, 2) == 221184
-    assert ll.fit("gemm", {**conf, "PREFETCH_LORA": 1}, 16, 2, 232448)["num_stages"] == 3
-
-
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_addmm_path_matches_reference(p):
     check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
