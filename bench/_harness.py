@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 from datetime import datetime, timezone
@@ -46,8 +47,13 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
     # An untimed round first: on the H100 a provider's first round ran up to 13% slow.
     for fn in fns.values():
         triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // (2 * rounds)))
-    for _ in range(rounds):
-        for key, fn in fns.items():
+    order = list(fns)
+    for i in range(rounds):
+        # a provider's clocks depend on the power drawn by the one timed just before it: a fresh
+        # (seeded) order each round, so no provider always follows the same neighbour
+        random.Random(i).shuffle(order)
+        for key in order:
+            fn = fns[key]
             times = triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // rounds), return_mode="all")
             samples[key] += times
             medians[key].append(round(statistics.median(times), 5))
