@@ -1,6 +1,8 @@
 """Where does the public op spend time beyond the kernel launchers? (diagnostic, not a benchmark)
 
     python bench/diag_op.py [M K N r]
+    python bench/diag_op.py --host-bisect [M K N r]   # host time of each layer, interleaved
+    python bench/diag_op.py --host-profile            # cProfile of the public op's fwd+bwd
 
 Times, at one shape (bf16): the launchers' fwd+bwd, the registered ops called directly, the
 autograd.Function, and the public ``lora_linear``; then prints a profiler table of the public
