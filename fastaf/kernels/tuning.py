@@ -1,10 +1,11 @@
 """Tuning of the kernel families for given layer shapes; ``fastaf-tune`` is its command line.
 
 For each (M tokens, K in, N out, R rank) it times every pruned config of each kernel phase of
-``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) once with ``triton.testing.do_bench``
-(median), re-times the three fastest in interleaved rounds and keeps the best (``_best``), then times the fused path against the cuBLAS+addmm path for the
-forward and the backward and records the winner, which ``_dispatch.choose`` reads. Results go to
-the tuning cache (``_cache``), keyed by GPU name and triton version.
+``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) once with
+``triton.testing.do_bench`` (median), re-times the three fastest in interleaved rounds and keeps
+the best (``_best``), then times the fused path against the cuBLAS+addmm path for the forward
+and the backward and records both times, which ``_dispatch.choose`` reads. Results go to the
+tuning cache (``_cache``), keyed by GPU name and triton version.
 """
 from __future__ import annotations
 
