@@ -73,8 +73,8 @@ def _best(name: str, configs: list[dict], run: Callable[[dict], object], rep_ms:
           finalists: int = 3) -> tuple[dict, float]:
     """The fastest config: one quick timing each, then the ``finalists`` fastest re-timed in
     interleaved rounds (``_bench_interleaved``). One timing each is the screen only: on the H100
-    it once crowned a 128x128 5-stage dX gemm that re-measured 1.33x cuBLAS where 128x256 ran
-    1.04x (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json), the GPU's clock drift between
+    it once crowned a 128x128 5-stage dX gemm that re-measured 1.33x cuBLAS where a 128x256 tile
+    ran 1.04x (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json), the GPU's clock drift between
     two configs' blocks being as large as their difference."""
     screened = []
     for i, conf in enumerate(configs):
