@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from fastaf.kernels import _cache
+from fastaf.kernels import _cache, _dispatch
 from fastaf.kernels import lora_linear as ll
 
 # (K, N) of Llama-3-8B attention and MLP, as in BENCH.md.
@@ -146,7 +146,7 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
             ("bwd", lambda impl: ll.lora_linear_bwd(dy, x, w, a, b, h, 2.0, 0.0, None, True, impl=impl)),
         ):
             ms = _bench_interleaved({impl: (lambda impl=impl: fn(impl)) for impl in ("triton", "addmm")}, rep_ms)
-            winner = min(ms, key=ms.get)
+            winner = _dispatch.decide(phase, ms)  # what impl="auto" will run: the host cost charged
             _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []),
                           {"key": key, "winner": winner, "ms": ms})
             log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us  addmm {ms['addmm'] * 1e3:8.1f} us  -> {winner}")
