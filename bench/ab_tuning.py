@@ -11,14 +11,13 @@ differs the two columns measure the noise of the comparison itself.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _harness as H  # noqa: E402
 from fastaf.kernels import _cache  # noqa: E402
 from fastaf.kernels import lora_linear as ll  # noqa: E402
 
@@ -51,7 +50,7 @@ def main() -> None:
         _cache.cache_path(_cache.device_name(), _cache.triton_version()))
     caches = {name: json.loads(Path(p).read_text())["kernels"] for name, p in (("old", old_path), ("new", new_path))}
     vals = [int(v) for v in args] or SHAPES
-    print(f"{torch.cuda.get_device_name()}: old={old_path} new={new_path}; do_bench medians of {ROUNDS} rounds")
+    print(f"{torch.cuda.get_device_name()}: old={old_path} new={new_path}; {ROUNDS} interleaved rounds")
     for M, K, N, R in zip(*[iter(vals)] * 4):
         g = torch.Generator(device="cuda").manual_seed(0)
         rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
@@ -69,11 +68,8 @@ def main() -> None:
                 return ll.gemm(dy, w, dh, a, None, 1.0, 0.0, None, x.dtype, config=c["gemm dx"]), da, db
 
             fns[f"bwd {name}"] = bwd
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(ROUNDS):
-            for key, fn in fns.items():
-                times[key].append(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-        ms = {k: statistics.median(v) for k, v in times.items()}
+        timed = H.time_interleaved(fns, rounds=ROUNDS, warmup=10, rep=40 * ROUNDS)
+        ms = {k: v["ms"] for k, v in timed.items()}
         differ = [p for p in confs["old"] if confs["old"][p] != confs["new"][p]]
         print(f"M={M} K={K} N={N} r={R}: fwd old {ms['fwd old'] / ms['cublas fwd']:.3f} new "
               f"{ms['fwd new'] / ms['cublas fwd']:.3f} | bwd old {ms['bwd old'] / ms['cublas dx']:.3f} new "
