@@ -18,23 +18,24 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 from torch import nn
 
+from . import _atomic
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode
 from .functional._modules import selects
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+_NAME_KEY = "fastaf.name"  # safetensors metadata: the adapter's name (PEFT ignores metadata)
 _FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 # Key fragments of PEFT features that change what the adapter computes; fastaf has none of them.
@@ -165,7 +166,9 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
     else:
         r = collections.Counter(ranks.values()).most_common(1)[0][0]
         alpha = collections.Counter(a for p, a in alphas.items() if ranks[p] == r).most_common(1)[0][0]
-        targets = sorted({p.rsplit(".", 1)[-1] for p in adapter})
+        # PEFT reads a str as a regex over whole module paths: the escaped paths select exactly
+        # these modules, where bare last components ("head") could select others too.
+        targets = "|".join(re.escape(p) for p in adapter)
     keys = _pattern_keys(list(adapter))
     rank_pattern = {keys[p]: ranks[p] for p in adapter if ranks[p] != r}
     alpha_pattern = {
@@ -196,47 +199,48 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
     }
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def save_adapter(adapter: Adapter, directory: str | os.PathLike, *, config: LoRAConfig | None = None) -> Path:
+def save_adapter(
+    adapter: Adapter,
+    directory: str | os.PathLike,
+    *,
+    config: LoRAConfig | None = None,
+    name: str | None = None,
+) -> Path:
     """Write ``adapter`` in PEFT's layout, loadable by ``peft.PeftModel.from_pretrained``.
 
     Writes ``adapter_model.safetensors`` (each factor in its own dtype) and
-    ``adapter_config.json``. Each file is written to a temporary file in ``directory`` and
-    renamed into place, so a crash never leaves a partial file; other files there are kept.
+    ``adapter_config.json`` as one unit (``fastaf._atomic``): a reader sees the old pair or the
+    new one, also when the process is killed mid-save; other files there are kept.
 
     Args:
         adapter: an unstacked Adapter; all LoRAs share one dropout (PEFT has one per adapter).
         directory: created if missing.
         config: the LoRAConfig the adapter was made with. It supplies ``target_modules``,
             ``use_rslora`` and the global ``r`` / ``lora_alpha``; without it the targets are the
-            last path components, rsLoRA is off and the most common rank is the global one.
-            Ranks and scales that differ from the global go to ``rank_pattern`` /
+            adapter's module paths (an exact regex), rsLoRA is off and the most common rank is the
+            global one. Ranks and scales that differ from the global go to ``rank_pattern`` /
             ``alpha_pattern``, so every LoRA's scale is reproduced.
+        name: kept in the weights file's metadata; ``fastaf.load_adapter`` registers the
+            adapter under it.
     Returns:
         The directory.
     """
     dropout = _check_savable(adapter, config)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"save_adapter: name must be a str, got {type(name).__name__}")
     peft_config = _peft_config(adapter, config, dropout)
     tensors = {}
     for path, lora in adapter.items():
         # copy=True: safetensors refuses tensors sharing storage (views from fastaf.unstack).
         tensors[f"{_PREFIX}{path}.lora_A.weight"] = lora.A.detach().to("cpu", copy=True).contiguous()
         tensors[f"{_PREFIX}{path}.lora_B.weight"] = lora.B.detach().to("cpu", copy=True).contiguous()
+    metadata = {"format": "pt", **({_NAME_KEY: name} if name is not None else {})}
+    config_text = json.dumps(peft_config, indent=2, sort_keys=True) + "\n"
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fastaf-tmp-", dir=directory))  # same filesystem: rename is atomic
-    try:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
-        for name in (WEIGHTS_NAME, CONFIG_NAME):  # config last: it names what the weights mean
-            _fsync(tmp / name)
-            os.replace(tmp / name, directory / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _atomic.replace_files(directory, {
+        WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata=metadata),
+        CONFIG_NAME: lambda path: path.write_text(config_text),
+    })
     return directory
 
 
@@ -248,35 +252,69 @@ def _is_repo_id(text: str) -> bool:
     return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and not text.startswith((".", "-"))
 
 
+def _looks_local(text: str) -> bool:
+    """A path the user meant on this machine: ``./``, ``../``, ``~``, absolute, or one whose
+    parent directory exists (``ckpt/sql`` beside an existing ``ckpt``). It never goes to the hub:
+    a typo must not download a stranger's repository of that name."""
+    path = Path(text).expanduser()
+    if text in (".", "..") or text.startswith(("./", "../", ".\\", "..\\", "~")) or path.is_absolute():
+        return True
+    return len(path.parts) > 1 and path.parent.is_dir()
+
+
 def _resolve(source: str | os.PathLike, revision: str | None, token: str | bool | None) -> Path:
     """A local directory holding the two files: ``source`` itself or a hub download."""
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"read_adapter: {str(path)!r} is a file; pass the directory that holds {CONFIG_NAME}")
-    if not _is_repo_id(str(source)):
-        raise FileNotFoundError(f"read_adapter: no directory {str(path)!r} (and it is not a hub repo id)")
+    text = str(source)
+    if isinstance(source, os.PathLike) or _looks_local(text) or not _is_repo_id(text):
+        raise FileNotFoundError(f"read_adapter: no directory {str(path)!r} (a local path, so the hub was not asked)")
     from . import _hub  # huggingface_hub costs ~0.3 s to import; only hub ids need it
 
     try:
-        return _hub.download_files(str(source), [CONFIG_NAME, WEIGHTS_NAME], revision=revision, token=token)
+        return _hub.download_files(text, [CONFIG_NAME, WEIGHTS_NAME], revision=revision, token=token)
     except FileNotFoundError:
         raise
     except Exception as err:
         raise OSError(
-            f"read_adapter: {str(source)!r} is not a local directory, and downloading it from the hub "
+            f"read_adapter: {text!r} is not a local directory, and downloading it from the hub "
             f"failed: {type(err).__name__}: {err}"
         ) from err
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    """adapter_config.json as a dict, checked to describe a plain LoRA."""
-    file = folder / CONFIG_NAME
-    if not file.is_file():
+def _number(cfg: Mapping[str, Any], field: str, file: Path, *, integer: bool = False) -> float:
+    value = cfg.get(field)
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or not math.isfinite(value):
+        kind = "an int" if integer else "a finite number"
+        raise ValueError(f"read_adapter: {file}: {field} must be {kind}, got {value!r}")
+    return value
+
+
+def _check_patterns(cfg: Mapping[str, Any], field: str, file: Path, *, integer: bool) -> None:
+    """``rank_pattern`` / ``alpha_pattern``: {regex: rank or alpha} (or null)."""
+    patterns = cfg.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"read_adapter: {file}: {field} must be a JSON object of regex -> value, got {patterns!r}")
+    for key in patterns:
+        try:
+            re.compile(key)
+        except re.error as err:
+            raise ValueError(f"read_adapter: {file}: {field} key {key!r} is not a valid regex: {err}") from None
+        _number(patterns, key, file, integer=integer)
+        if integer and patterns[key] < 1:
+            raise ValueError(f"read_adapter: {file}: {field}[{key!r}] must be >= 1, got {patterns[key]}")
+
+
+def _parse_config(text: bytes | None, file: Path) -> dict[str, Any]:
+    """adapter_config.json as a dict, checked to describe a plain LoRA with sane values."""
+    if text is None:
         raise FileNotFoundError(f"read_adapter: {file} is missing; a PEFT adapter folder needs {CONFIG_NAME}")
     try:
-        cfg = json.loads(file.read_text())
+        cfg = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"read_adapter: {file} is not valid JSON: {err}") from err
     if not isinstance(cfg, dict):
@@ -291,21 +329,36 @@ def _read_config(folder: Path) -> dict[str, Any]:
             )
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"read_adapter: {file}: bias={cfg['bias']!r} (trained base biases) is not supported")
-    for field in ("r", "lora_alpha"):
-        if not isinstance(cfg.get(field), (int, float)) or isinstance(cfg.get(field), bool):
-            raise ValueError(f"read_adapter: {file}: {field} must be a number, got {cfg.get(field)!r}")
+    if _number(cfg, "r", file, integer=True) < 1:
+        raise ValueError(f"read_adapter: {file}: r must be >= 1, got {cfg['r']}")
+    _number(cfg, "lora_alpha", file)
+    # PEFT would take the string "false" as true: only a JSON boolean is read
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise ValueError(f"read_adapter: {file}: use_rslora must be true or false, got {cfg['use_rslora']!r}")
+    if cfg.get("lora_dropout") is not None and not 0.0 <= _number(cfg, "lora_dropout", file) < 1.0:
+        raise ValueError(f"read_adapter: {file}: lora_dropout must be in [0, 1), got {cfg['lora_dropout']}")
+    _check_patterns(cfg, "rank_pattern", file, integer=True)
+    _check_patterns(cfg, "alpha_pattern", file, integer=False)
     return cfg
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def _header_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (8-byte little-endian header size, JSON header)."""
+    (size,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _parse_tensors(data: bytes | None, folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The weights file's tensors and its metadata."""
     file = folder / WEIGHTS_NAME
-    if not file.is_file():
+    if data is None:
         legacy = folder / "adapter_model.bin"
         hint = f"; found {legacy.name}, a pickle, which fastaf does not load" if legacy.exists() else ""
         raise FileNotFoundError(f"read_adapter: {file} is missing{hint}")
     try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        return load(data), _header_metadata(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError, struct.error) as err:
         raise ValueError(
             f"read_adapter: {file} is not a readable safetensors file (truncated or corrupted?): {err}"
         ) from err
@@ -417,10 +470,24 @@ def read_adapter(
             features, keys that are not LoRA factors, ranks that disagree with the config, or
             (with ``model``) paths and shapes that do not fit the model.
     """
+    return read_adapter_and_name(dir_or_repo_id, model=model, device=device, revision=revision, token=token)[0]
+
+
+def read_adapter_and_name(
+    dir_or_repo_id: str | os.PathLike,
+    *,
+    model: nn.Module | None = None,
+    device: torch.device | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> tuple[Adapter, str | None]:
+    """``read_adapter``, and the name ``save_adapter`` recorded (None for files without one)."""
     folder = _resolve(dir_or_repo_id, revision, token)
-    cfg = _read_config(folder)
+    files = _atomic.read_files(folder, [CONFIG_NAME, WEIGHTS_NAME])  # one consistent pair
+    cfg = _parse_config(files[CONFIG_NAME], folder / CONFIG_NAME)
+    tensors, metadata = _parse_tensors(files[WEIGHTS_NAME], folder)
     file = folder / WEIGHTS_NAME
-    pairs = _pair_factors(_read_tensors(folder), file)
+    pairs = _pair_factors(tensors, file)
     paths = sorted(pairs, key=_natural_key)
     adapter = Adapter({p: _build_lora(p, pairs[p]["A"], pairs[p]["B"], cfg, file) for p in paths})
     adapter = _place(adapter, model, device)
@@ -429,4 +496,5 @@ def read_adapter(
             adapter_mode(model, adapter)  # validates paths, layer types, shapes and devices; changes nothing
         except ValueError as err:
             raise ValueError(f"read_adapter: {file} does not fit {type(model).__name__}: {err}") from err
-    return adapter
+    name = metadata.get(_NAME_KEY)
+    return adapter, name if isinstance(name, str) and name else None

@@ -138,18 +138,19 @@ def test_mixed_ranks_and_scales_round_trip_through_peft(tmp_path, make, rslora):
     assert {p: (l.rank, l.scale) for p, l in back.items()} == {p: (l.rank, l.scale) for p, l in adapter.items()}
 
 
-def test_without_config_global_rank_is_most_common_and_targets_are_last_components(tmp_path):
+def test_without_config_global_rank_is_most_common_and_targets_are_exact_paths(tmp_path):
     model = tiny_llama()
     adapter = random_adapter(model, ["q_proj", "k_proj"], r=4) + random_adapter(model, ["model.layers.0.mlp.up_proj"], r=6)
     fa.save_adapter(adapter, tmp_path)
     written = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert written["r"] == 4 and written["target_modules"] == ["k_proj", "q_proj", "up_proj"]
-    assert written["rank_pattern"] == {"model.layers.0.mlp.up_proj": 6}
-    # up_proj of layer 1 is targeted by PEFT too (it warns its keys are missing); its B stays
-    # zero, so the logits still agree.
+    assert written["r"] == 4 and written["rank_pattern"] == {"model.layers.0.mlp.up_proj": 6}
+    # a regex of the full paths: PEFT adapts exactly these modules (a bare "up_proj" would also
+    # select layer 1's up_proj, which the adapter does not hold)
+    selected = {p for p, _ in model.named_modules() if p and re.fullmatch(written["target_modules"], p)}
+    assert selected == set(adapter)
     ids = token_batch()
-    with pytest.warns(UserWarning, match="missing adapter keys.*layers.1.mlp.up_proj"):
-        peft_model = _peft_from_dir(model, tmp_path, strict=False)
+    peft_model = _peft_from_dir(model, tmp_path)  # strict: no "missing adapter keys"
+    assert set(_peft_scalings(peft_model)) == set(adapter)
     assert_close(_peft_logits(peft_model, ids), _fa_logits(model, adapter, ids), F32)
 
 
@@ -386,6 +387,50 @@ def test_read_places_factors(saved):
     assert all(l.A.device.type == "cpu" for l in fa.read_adapter(folder, model=model).values())
     ad = fa.read_adapter(folder, device="meta")
     assert all(l.A.is_meta and l.B.is_meta for l in ad.values())
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"use_rslora": "false"}, "use_rslora must be true or false, got 'false'"),
+        ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number, got nan"),
+        ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number, got inf"),
+        ({"r": 4.0}, "r must be an int, got 4.0"),
+        ({"r": 0}, "r must be >= 1"),
+        ({"lora_dropout": "0.1"}, "lora_dropout must be a finite number, got '0.1'"),
+        ({"lora_dropout": 1.5}, r"lora_dropout must be in \[0, 1\)"),
+        ({"rank_pattern": ["q_proj", 8]}, "rank_pattern must be a JSON object"),
+        ({"rank_pattern": {"q_proj(": 8}}, r"rank_pattern key 'q_proj\(' is not a valid regex"),
+        ({"rank_pattern": {"q_proj": "8"}}, r"q_proj must be an int, got '8'"),
+        ({"alpha_pattern": {"v_proj": float("nan")}}, "v_proj must be a finite number, got nan"),
+    ],
+)
+def test_bad_config_values_are_named_errors(saved, changes, match):
+    _, folder = saved
+    _edit_config(folder, **changes)  # json.dumps writes NaN / Infinity, which json.loads accepts
+    with pytest.raises(ValueError, match=match):
+        fa.read_adapter(folder)
+
+
+def test_a_path_that_looks_local_never_goes_to_the_hub(tmp_path, monkeypatch):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(_hub, "download_files", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    for path in ("ckpt/sql", "./sql", "../sql", str(tmp_path / "sql"), "~/no-such-fastaf-dir", Path("user/sql")):
+        with pytest.raises(FileNotFoundError, match="a local path, so the hub was not asked"):
+            fa.read_adapter(path)
+
+
+def test_an_unreachable_hub_fails_fast_and_says_what_it_tried(tmp_path):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(OSError, match=r"cannot reach the hub at http://127\.0\.0\.1:9 for 'alice/sql'.*not in the local cache"):
+        _hub.download_files("alice/sql", [_io.CONFIG_NAME], endpoint="http://127.0.0.1:9", cache_dir=tmp_path)
+    assert time.perf_counter() - start < _hub.PROBE_TIMEOUT_S + 2  # huggingface_hub alone: 23 s of retries
 
 
 # ---- atomic writes ------------------------------------------------------------------------------
