@@ -7,11 +7,18 @@ huggingface_hub is imported) picks the server, ``HF_TOKEN`` or a saved login the
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub import CommitOperationAdd, HfApi, constants, hf_hub_download
 from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+# huggingface_hub retries an unreachable host with back-off (23 s offline here) before it falls
+# back to its cache; one plain connect with this timeout tells the same in a moment.
+PROBE_TIMEOUT_S = 3.0
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -71,6 +78,19 @@ def upload_folder_to_hub(
     return str(info.commit_url)
 
 
+def unreachable(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be connected to, or None when it can (or a proxy decides)."""
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return None  # the proxy, not this machine, connects; let huggingface_hub go through it
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def download_files(
     repo_id: str,
     filenames: Sequence[str],
@@ -87,23 +107,31 @@ def download_files(
 
     Raises:
         FileNotFoundError: the repository has no file of that name at ``revision``.
-        OSError: the hub cannot be reached and the file is not cached; huggingface_hub's
-            RepositoryNotFoundError and other HTTP errors pass through.
+        OSError: the hub cannot be reached (one connect attempt, ``PROBE_TIMEOUT_S``) and the
+            file is not cached; huggingface_hub's RepositoryNotFoundError and other HTTP errors
+            pass through.
         ValueError: the files came from different commits (the repository changed in between).
     """
+    server = endpoint or constants.ENDPOINT
+    why = None if constants.HF_HUB_OFFLINE else unreachable(server)
     folders = set()
     for name in filenames:
         try:
             path = hf_hub_download(
-                repo_id, name, revision=revision, token=token, endpoint=endpoint, cache_dir=cache_dir
+                repo_id, name, revision=revision, token=token, endpoint=endpoint, cache_dir=cache_dir,
+                local_files_only=why is not None,
             )
         except RemoteEntryNotFoundError as err:
             raise FileNotFoundError(
                 f"hub repository {repo_id!r} (revision {revision or 'main'}) has no {name}"
             ) from err
         except LocalEntryNotFoundError as err:  # a FileNotFoundError, but the cause is the connection
+            cause = why or (
+                "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else str(err.__cause__ or err)
+            )
             raise OSError(
-                f"cannot reach the hub for {repo_id!r} and {name} is not in the local cache: {err.__cause__ or err}"
+                f"cannot reach the hub at {server} for {repo_id!r} ({cause}), and {name} is not in the "
+                "local cache"
             ) from err
         folders.add(Path(path).parent)
     if len(folders) != 1:
