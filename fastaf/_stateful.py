@@ -27,7 +27,7 @@ import contextlib
 import functools
 import tempfile
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +94,15 @@ class _Registry(nn.Module):
             raise KeyError(f"no adapter named {name!r}; this model has {list(self.adapters)}")
         return self.adapters[name]
 
-    def check_new_name(self, name: Any) -> None:
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValueError(f"adapter name must be a non-empty str without '.', got {name!r}")
-        if name in self.adapters:
-            raise ValueError(f"an adapter named {name!r} already exists; this model has {list(self.adapters)}")
-        if hasattr(self.adapters, name):  # ModuleDict would refuse its own attribute names
-            raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
+
+def _check_new_name(name: Any, existing: Mapping[str, Any]) -> None:
+    """``name`` can name a new adapter beside ``existing`` ones (ModuleDict keys: no '.')."""
+    if not isinstance(name, str) or not name or "." in name:
+        raise ValueError(f"adapter name must be a non-empty str without '.', got {name!r}")
+    if name in existing:
+        raise ValueError(f"an adapter named {name!r} already exists; this model has {list(existing)}")
+    if hasattr(nn.ModuleDict(), name):  # ModuleDict would refuse its own attribute names
+        raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
 
 
 # ---- the instance state -------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def _set_trainable(registry: _Registry) -> None:
 def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig | None) -> None:
     """Validate ``adapter`` against the model, then add it; nothing is added on error."""
     registry = _registry(model)
-    registry.check_new_name(name)
+    _check_new_name(name, registry.adapters)
     if len(adapter) == 0:
         raise ValueError(f"adapter {name!r} is empty; it adapts no module")
     with _without_registry(model) as base:
@@ -185,7 +187,7 @@ def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *
             nothing is added then.
     """
     registry = _registry(self)
-    registry.check_new_name(name)  # before the (possibly large) init
+    _check_new_name(name, registry.adapters)  # before the (possibly large) init
     if isinstance(config, LoRAConfig):
         with _without_registry(self) as base:
             adapter = init_adapter(base, config, seed=seed)
@@ -269,12 +271,13 @@ def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) 
     """Write adapter ``name`` into the directory ``path`` in PEFT's layout; returns ``path``.
 
     The files (``adapter_model.safetensors``, ``adapter_config.json``) go directly into ``path``,
-    so ``load_adapter(model, path_or_repo_id=path)`` reads them back.
+    with ``name`` in the weights' metadata, so ``load_adapter(model, path_or_repo_id=path)``
+    registers it as ``name`` again.
     """
     from ._io import save_adapter
 
     slot = _registry(model).slot(name)
-    save_adapter(slot.adapter(detach=True), path, config=slot.config)
+    save_adapter(slot.adapter(detach=True), path, config=slot.config, name=name)
     return Path(path)
 
 
@@ -293,25 +296,38 @@ def load_adapter(
 ) -> str:
     """Read an adapter (local dir or hub repo id, PEFT layout) and register it, inactive.
 
-    Calls ``fastaf.init(model)`` first if needed. The factors go to their modules' devices in the
-    file's dtype (``fastaf.read_adapter(..., model=model)``).
+    The file is read and checked against the model first; only then is ``fastaf.init(model)``
+    called if needed, so a load that raises leaves the model exactly as it was. The factors go to
+    their modules' devices in the file's dtype (``fastaf.read_adapter(..., model=model)``).
 
     Args:
         path_or_repo_id: a local directory or a hub repo id, as ``fastaf.read_adapter`` takes.
-        name: the adapter's name; default: the last component of ``path_or_repo_id`` with '.'
-            replaced by '_' (``"./ckpt/sql"`` -> ``"sql"``, ``"user/sql-lora"`` -> ``"sql-lora"``),
-            or ``"default"`` when that is empty (``"."``).
+        name: the adapter's name; default: the name ``save_adapter_to_local_dir`` recorded in the
+            files, else the last component of ``path_or_repo_id`` with '.' replaced by '_'
+            (``"./ckpt/sql"`` -> ``"sql"``, ``"user/sql-lora"`` -> ``"sql-lora"``), or
+            ``"default"`` when that is empty (``"."``).
         revision: hub branch, tag or commit (hub ids only).
         token: hub token (hub ids only).
     Returns:
         The name it was registered under; activate it with ``model.set_active_adapter(name)``.
     """
-    from ._io import read_adapter
+    from ._io import read_adapter_and_name
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_adapter needs an nn.Module, got {type(model).__name__}")
+    registry = getattr(model, _ATTR, None)
+    existing = registry.adapters if isinstance(registry, _Registry) else {}
+    if name is not None:
+        _check_new_name(name, existing)  # fail before reading (or downloading) anything
+    if isinstance(registry, _Registry):
+        with _without_registry(model) as base:
+            adapter, stored = read_adapter_and_name(path_or_repo_id, model=base, revision=revision, token=token)
+    else:
+        adapter, stored = read_adapter_and_name(path_or_repo_id, model=model, revision=revision, token=token)
+    if name is None:
+        name = stored or _default_name(path_or_repo_id)
+        _check_new_name(name, existing)
     init(model)
-    name = _default_name(path_or_repo_id) if name is None else name
-    _registry(model).check_new_name(name)  # fail before reading (or downloading) anything
-    adapter = read_adapter(path_or_repo_id, model=model, revision=revision, token=token)
     _register(model, name, adapter, None)
     return name
 

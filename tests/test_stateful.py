@@ -262,32 +262,78 @@ def test_targets_never_match_the_registry():
 # ---- files and the hub --------------------------------------------------------------------------
 
 
-def test_save_and_load_round_trip(tmp_path):
+def test_save_and_load_round_trip_keeps_the_name(tmp_path):
     base, model = inited()
-    out = fa.save_adapter_to_local_dir(model, path=tmp_path / "sql", name="b")
-    assert out == tmp_path / "sql"
+    out = fa.save_adapter_to_local_dir(model, path=tmp_path / "checkpoints", name="b")
+    assert out == tmp_path / "checkpoints"
     assert {p.name for p in out.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
 
     fresh = copy.deepcopy(base)  # never inited: load_adapter inits it
-    assert fa.load_adapter(fresh, path_or_repo_id=tmp_path / "sql") == "sql"  # named after the dir
+    assert fa.load_adapter(fresh, path_or_repo_id=tmp_path / "checkpoints") == "b"  # the saved name
     assert fresh.active_adapter() is None and trainable(fresh) == set()
-    assert_adapters_equal(fresh.get_adapter("sql"), model.get_adapter("b"))
-    fresh.set_active_adapter("sql")
+    assert_adapters_equal(fresh.get_adapter("b"), model.get_adapter("b"))
+    fresh.set_active_adapter("b")
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, model(ids).logits)
 
-    assert fa.load_adapter(fresh, path_or_repo_id=str(tmp_path / "sql"), name="again") == "again"
-    with pytest.raises(ValueError, match="'sql' already exists"):
-        fa.load_adapter(fresh, path_or_repo_id=tmp_path / "sql")
+    assert fa.load_adapter(fresh, path_or_repo_id=str(tmp_path / "checkpoints"), name="again") == "again"
+    with pytest.raises(ValueError, match="'b' already exists"):
+        fa.load_adapter(fresh, path_or_repo_id=tmp_path / "checkpoints")
 
 
-def test_load_default_name_for_a_nameless_path(tmp_path, monkeypatch):
-    _, model = inited()
-    fa.save_adapter_to_local_dir(model, path=tmp_path / "v1.2", name="a")
+def test_the_original_readme_flow_round_trips_the_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base, model = inited()
+    fa.save_adapter_to_local_dir(model, path="./checkpoints", name="b")
+    fresh = copy.deepcopy(base)
+    assert fa.load_adapter(fresh, path_or_repo_id="./checkpoints") == "b"
+    fresh.set_active_adapter("b")
+
+
+def test_files_without_a_name_are_named_after_the_path(tmp_path, monkeypatch):
+    base, model = inited()
+    fa.save_adapter(model.get_adapter("a"), tmp_path / "v1.2")  # no name recorded, as PEFT's files
     assert fa.load_adapter(model, path_or_repo_id=tmp_path / "v1.2") == "v1_2"
     monkeypatch.chdir(tmp_path / "v1.2")
     assert fa.load_adapter(model, path_or_repo_id=".") == "default"
+
+
+def _snapshot(model):
+    """Everything a failed load must leave alone: state, modules, forward, requires_grad."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "modules": [(n, type(m), id(m)) for n, m in model.named_modules()],
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "dict": {k: v for k, v in vars(model).items() if k != "_modules"},
+    }
+
+
+def _assert_same(before, after):
+    assert after["modules"] == before["modules"] and after["requires_grad"] == before["requires_grad"]
+    assert after["dict"].keys() == before["dict"].keys() and all(
+        after["dict"][k] is v or after["dict"][k] == v for k, v in before["dict"].items() if k != "_parameters"
+    )
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k], v) for k, v in before["state"].items())
+
+
+@pytest.mark.parametrize("inited_first", [False, True])
+def test_a_failed_load_changes_nothing(tmp_path, inited_first):
+    gpt2 = tiny_gpt2()
+    fa.save_adapter(random_adapter(gpt2, ["c_attn"]), tmp_path / "gpt2", name="other")  # another architecture
+    model = tiny_llama()
+    if inited_first:
+        fa.init(model)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="does not fit LlamaForCausalLM"):
+        fa.load_adapter(model, path_or_repo_id=tmp_path / "gpt2")
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        fa.load_adapter(model, path_or_repo_id=tmp_path / "missing")
+    with pytest.raises(ValueError, match="non-empty str"):
+        fa.load_adapter(model, path_or_repo_id=tmp_path / "gpt2", name="a.b")
+    _assert_same(before, _snapshot(model))
+    assert ("forward" in vars(model)) == inited_first  # not wrapped by a failed load
 
 
 def test_save_records_the_config(tmp_path):
