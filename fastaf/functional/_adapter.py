@@ -13,6 +13,7 @@ the tree with wrapped tensors, shapes or ``None`` leaves.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -44,6 +45,10 @@ class LoRA:
     B: torch.Tensor
     scale: float = 1.0
     dropout: float = 0.0
+
+    # numpy scalars then return NotImplemented from ``np.float64(0.5) * lora``, so Python calls
+    # ``lora.__rmul__`` instead of numpy trying to make an array of the LoRA
+    __array_ufunc__ = None
 
     def __post_init__(self) -> None:
         if not _is_compiling():
@@ -95,10 +100,14 @@ class LoRA:
 
 def _as_scalar(c: Any) -> float:
     if isinstance(c, torch.Tensor) and c.numel() == 1 and not c.requires_grad:
-        return float(c)
-    if isinstance(c, numbers.Real) and not isinstance(c, bool):
-        return float(c)
-    raise TypeError(f"an adapter can only be scaled by a real number, got {type(c).__name__}")
+        value = float(c)
+    elif isinstance(c, numbers.Real) and not isinstance(c, bool):  # numpy scalars included
+        value = float(c)
+    else:
+        raise TypeError(f"an adapter can only be scaled by a real number, got {type(c).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"an adapter can only be scaled by a finite number, got {value}")
+    return value
 
 
 def _check_lora(lora: LoRA, where: str) -> None:
@@ -134,6 +143,10 @@ def _check_lora(lora: LoRA, where: str) -> None:
         raise TypeError(f"{where}: A is {A.dtype} but B is {B.dtype}")
     if not isinstance(lora.scale, numbers.Real) or isinstance(lora.scale, bool):
         raise TypeError(f"{where}: scale must be a float, got {type(lora.scale).__name__}")
+    if not math.isfinite(lora.scale):
+        raise ValueError(f"{where}: scale must be finite, got {lora.scale}")
+    if not isinstance(lora.dropout, numbers.Real) or isinstance(lora.dropout, bool):
+        raise TypeError(f"{where}: dropout must be a number, got {lora.dropout!r}")
     if not 0.0 <= lora.dropout < 1.0:
         raise ValueError(f"{where}: dropout must be in [0, 1), got {lora.dropout}")
 
@@ -155,6 +168,11 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
             f"{where}: cannot add LoRAs with dropout {a.dropout} and {b.dropout}; set one with "
             "dataclasses.replace(lora, dropout=...) first"
         )
+    if a.A.device != b.A.device:
+        raise ValueError(
+            f"{where}: cannot add a LoRA on {a.A.device} and one on {b.A.device} "
+            f"(A {tuple(a.A.shape)} / {tuple(b.A.shape)}); move one with .to() first"
+        )
     dtype = torch.promote_types(a.A.dtype, b.A.dtype)
     if a.scale == 0.0:  # nothing to fold into; keep b's scale instead
         a, b = b, a
@@ -172,6 +190,7 @@ class Adapter(Mapping[str, LoRA]):
     """
 
     __slots__ = ("_loras",)
+    __array_ufunc__ = None  # as LoRA's: ``np.float64(0.5) * adapter`` reaches ``__rmul__``
 
     def __init__(self, loras: Mapping[str, LoRA] | Iterable[tuple[str, LoRA]] = ()) -> None:
         items = dict(loras)

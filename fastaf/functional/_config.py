@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import re
 from collections.abc import Sequence
 
 import torch
@@ -32,20 +34,36 @@ class LoRAConfig:
     rslora: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
-            raise ValueError(f"LoRAConfig.r must be an int >= 1, got {self.r!r}")
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool):
+        if not isinstance(self.r, int) or isinstance(self.r, bool):
+            raise TypeError(f"LoRAConfig.r must be an int, got {self.r!r}")
+        if self.r < 1:
+            raise ValueError(f"LoRAConfig.r must be >= 1, got {self.r}")
+        if not isinstance(self.alpha, numbers.Real) or isinstance(self.alpha, bool):
             raise TypeError(f"LoRAConfig.alpha must be a number, got {self.alpha!r}")
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"LoRAConfig.alpha must be finite, got {self.alpha}")
+        if not isinstance(self.dropout, numbers.Real) or isinstance(self.dropout, bool):
+            raise TypeError(f"LoRAConfig.dropout must be a number, got {self.dropout!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.rslora, bool):  # "no" would be truthy and turn rsLoRA on
+            raise TypeError(f"LoRAConfig.rslora must be True or False, got {self.rslora!r}")
         if isinstance(self.targets, str):
             if not self.targets:
                 raise ValueError("LoRAConfig.targets is empty")
-        else:
+            try:
+                re.compile(self.targets)
+            except re.error as err:
+                raise ValueError(f"LoRAConfig.targets {self.targets!r} is not a valid regex: {err}") from None
+        elif isinstance(self.targets, Sequence):
             targets = tuple(self.targets)
             if not targets or not all(isinstance(t, str) and t for t in targets):
                 raise ValueError(f"LoRAConfig.targets must be non-empty module names, got {self.targets!r}")
             object.__setattr__(self, "targets", targets)
+        else:
+            raise TypeError(
+                f"LoRAConfig.targets must be a list of module names or a regex str, got {self.targets!r}"
+            )
 
     @property
     def scale(self) -> float:

@@ -436,6 +436,9 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: s
         raise TypeError(f"{where}: lora must be a fastaf.LoRA, got {type(lora).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        what = f"a 0-d tensor ({x.dtype})" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{where}: input x must be a tensor of shape (..., K), got {what}")
     if x.dtype not in _OP_DTYPES:
         raise TypeError(f"{where}: input x {tuple(x.shape)} has dtype {x.dtype}; lora_linear takes {_OP_DTYPES}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:

@@ -1,6 +1,7 @@
 """LoRA / Adapter pytrees: registration, immutability, validation, exact arithmetic, stacking."""
 import dataclasses
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -72,6 +73,37 @@ def test_bad_dtype_and_device():
         fa.LoRA(torch.ones(2, 3, dtype=torch.int64), torch.ones(4, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="meta"):
         fa.LoRA(torch.ones(2, 3), torch.ones(4, 2, device="meta"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scales_are_refused(bad):
+    with pytest.raises(ValueError, match=f"scale must be finite, got {bad}"):
+        fa.LoRA(torch.ones(2, 3), torch.ones(4, 2), scale=bad)
+    ad = adapter(0)
+    for scaled in (lambda: bad * ad, lambda: ad * bad, lambda: bad * ad["l0"], lambda: ad * torch.tensor(bad)):
+        with pytest.raises(ValueError, match=f"scaled by a finite number, got {bad}"):
+            scaled()
+
+
+def test_dropout_must_be_a_number():
+    with pytest.raises(TypeError, match="dropout must be a number, got '0.1'"):
+        fa.LoRA(torch.ones(2, 3), torch.ones(4, 2), dropout="0.1")
+
+
+def test_numpy_scalars_scale_from_either_side():
+    ad = adapter(0)
+    for c in (np.float64(0.5), np.float32(0.5), np.int64(2)):
+        for scaled in (c * ad, ad * c):
+            assert isinstance(scaled, fa.Adapter)
+            torch.testing.assert_close(scaled["l0"].delta(), float(c) * ad["l0"].delta())
+        assert isinstance(c * ad["l0"], fa.LoRA)
+
+
+def test_adding_loras_on_different_devices_names_the_path():
+    a = fa.Adapter({"layers.1.q_proj": lora(seed=1)})
+    meta = a.map(lambda p, l: fa.LoRA(l.A.to("meta"), l.B.to("meta"), l.scale))
+    with pytest.raises(ValueError, match=r"layers\.1\.q_proj: cannot add a LoRA on cpu and one on meta"):
+        a + meta
 
 
 def test_arithmetic_is_exact_in_delta_space():

@@ -62,17 +62,29 @@ def test_rslora_scale_dtype_and_conv1d():
     assert lora.A.dtype == torch.bfloat16 and lora.dropout == 0.1
 
 
+_OK = {"r": 2, "alpha": 1, "targets": ["q_proj"]}
+
+
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "changes, error, match",
     [
-        ({"r": 0, "alpha": 1, "targets": ["q_proj"]}, "r must be an int >= 1"),
-        ({"r": 2, "alpha": 1, "targets": []}, "targets"),
-        ({"r": 2, "alpha": 1, "targets": ["q_proj"], "dropout": 1.0}, "dropout"),
+        ({"r": 0}, ValueError, "r must be >= 1"),
+        ({"r": "16"}, TypeError, "r must be an int"),
+        ({"targets": []}, ValueError, "targets"),
+        ({"targets": None}, TypeError, "targets must be a list of module names or a regex str, got None"),
+        ({"targets": "q_proj("}, ValueError, r"'q_proj\(' is not a valid regex"),
+        ({"dropout": 1.0}, ValueError, "dropout"),
+        ({"dropout": "0.1"}, TypeError, "dropout must be a number, got '0.1'"),
+        ({"alpha": float("nan")}, ValueError, "alpha must be finite, got nan"),
+        ({"alpha": float("inf")}, ValueError, "alpha must be finite, got inf"),
+        ({"alpha": "8"}, TypeError, "alpha must be a number"),
+        ({"rslora": "no"}, TypeError, "rslora must be True or False, got 'no'"),
+        ({"rslora": 1}, TypeError, "rslora must be True or False"),
     ],
 )
-def test_config_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        fa.LoRAConfig(**kwargs)
+def test_config_errors(changes, error, match):
+    with pytest.raises(error, match=match):
+        fa.LoRAConfig(**{**_OK, **changes})
 
 
 def test_targets_that_match_nothing_or_non_linear_are_errors():

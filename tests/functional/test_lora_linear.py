@@ -197,6 +197,13 @@ def test_bad_inputs_are_named():
         lora_linear(x, w, b, lo, impl="cuda")
     with pytest.raises(ValueError, match="stacked"):
         lora_linear(x, w, b, fa.stack([fa.Adapter({"l": lo})])["l"])
+    with pytest.raises(ValueError, match=r"input x must be a tensor of shape \(\.\.\., K\), got a 0-d tensor"):
+        lora_linear(torch.tensor(1.0), w, b, lo)
+
+
+def test_one_dimensional_input_works_like_f_linear():
+    x, w, b, lo = make()
+    assert_close(lora_linear(x[0, 0], w, b, lo), lora_linear(x, w, b, lo)[0, 0], x.dtype)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
