@@ -42,35 +42,47 @@ def _model_shapes(path_or_json: str) -> list[tuple[int, int]]:
     return [(k, n) for _, k, n in shapes_from_model_config(cfg)]
 
 
+_SHAPE_FIELDS = ("M", "K", "N", "R")  # printed first, in this order
+
+
 def _list() -> int:
     files = sorted(_cache.cache_dir().glob("tune-*.json"))
     if not files:
         print(f"no tuning caches under {_cache.cache_dir()}")
     for f in files:
-        data = _cache.load(f)
+        data = _cache.load(f) if f.is_file() else None  # warns and drops what is malformed
         if data is None:
             print(f"{f}: unreadable (ignored)")
             continue
-        counts = {name: len(v) for sec in ("kernels", "dispatch") for name, v in data[sec].items()}
         print(f"{f}\n  gpu={data['gpu']} triton={data['triton']} date={data.get('date')}")
-        for name, n in sorted(counts.items()):
-            print(f"  {name:24s} {n} shapes")
+        for sec in ("kernels", "dispatch"):
+            for name, entries in sorted(data[sec].items()):
+                print(f"  {name:24s} {len(entries)} shapes")
         for phase in ("fwd", "bwd"):
             for e in data["dispatch"].get(f"lora_linear.{phase}", []):
-                k = e["key"]
-                print(f"    {phase} M={k['M']} K={k['K']} N={k['N']} r={k['R']} {k['dtype']}: {e['winner']}")
+                key = e["key"]
+                names = [k for k in _SHAPE_FIELDS if k in key] + sorted(set(key) - set(_SHAPE_FIELDS))
+                print(f"    {phase} {' '.join(f'{k}={key[k]}' for k in names)}: {e.get('winner', 'timed')}")
     return 0
 
 
 def _clear() -> int:
     files = sorted(_cache.cache_dir().glob("tune-*.json"))
+    failed = 0
     for f in files:
-        f.unlink()
-        print(f"removed {f}")
+        try:
+            if not f.is_file():
+                raise IsADirectoryError("not a regular file")
+            f.unlink()
+        except OSError as err:
+            failed += 1
+            print(f"fastaf-tune: could not remove {f}: {err.strerror or err}", file=sys.stderr)
+        else:
+            print(f"removed {f}")
     _cache.forget()
     if not files:
         print(f"nothing to clear under {_cache.cache_dir()}")
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -12,8 +12,8 @@ File: ``$FASTAF_CACHE_DIR`` (default ``~/.cache/fastaf``) / ``tune-<gpu-slug>-tr
 
 Lookup takes the entry whose key matches every string field (dtype) exactly and is nearest in
 the integer fields (sum of |log2(a / b)|), so an untuned shape uses the nearest tuned one; with
-no candidate the caller falls back to its default. A corrupt or foreign file is reported with a
-warning and ignored, never raised.
+no candidate the caller falls back to its default. A corrupt or foreign file, and a malformed
+entry, is reported with a one-line warning and ignored, never raised.
 """
 from __future__ import annotations
 
@@ -80,7 +80,38 @@ def empty(gpu: str, triton: str) -> dict:
 
 def _valid(data: Any) -> bool:
     return (isinstance(data, dict) and data.get("version") == CACHE_VERSION
+            and isinstance(data.get("gpu"), str) and isinstance(data.get("triton"), str)
             and isinstance(data.get("kernels"), dict) and isinstance(data.get("dispatch"), dict))
+
+
+def _entry_ok(entry: Any, section: str) -> bool:
+    """``{"key": {field: str | int}, ...}`` with a ``config`` dict (kernels) or a ``winner`` /
+    ``ms`` pair (dispatch): what ``lookup`` and ``fastaf-tune --list`` read."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict):
+        return False
+    if not all(isinstance(v, str) or (type(v) is int and v > 0) for v in entry["key"].values()):
+        return False
+    if section == "kernels":
+        return isinstance(entry.get("config"), dict)
+    ms = entry.get("ms")
+    timed = isinstance(ms, dict) and all(type(ms.get(p)) in (int, float) for p in ("triton", "addmm"))
+    return timed or entry.get("winner") in ("triton", "addmm")
+
+
+def _drop_malformed(data: dict, path: Path) -> dict:
+    """``data`` without the entries ``_entry_ok`` refuses; one warning names what went."""
+    dropped = []
+    for section in ("kernels", "dispatch"):
+        for name, entries in list(data[section].items()):
+            good = [e for e in entries if _entry_ok(e, section)] if isinstance(entries, list) else []
+            if not isinstance(entries, list) or len(good) != len(entries):
+                bad = len(entries) - len(good) if isinstance(entries, list) else "all"
+                dropped.append(f"{section}.{name} ({bad})")
+            data[section][name] = good
+    if dropped:
+        warnings.warn(f"fastaf: tuning cache {path}: ignoring malformed entries of {', '.join(dropped)}",
+                      stacklevel=3)
+    return data
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -99,19 +130,21 @@ def load(path: Path | None = None) -> dict | None:
             warnings.warn(f"fastaf: ignoring tuning cache {path}: not a version-{CACHE_VERSION} "
                           "fastaf cache (run `fastaf-tune --clear`)", stacklevel=2)
             data = None
+        if data is not None:
+            data = _drop_malformed(data, path)
     _memo[path] = data
     return data
 
 
 def save(data: dict, path: Path | None = None) -> Path:
-    """Write ``data`` atomically (temp file + rename) and refresh the memo."""
+    """Write ``data`` atomically (temp file + rename); the next ``load`` reads it back."""
     path = cache_path(data["gpu"], data["triton"]) if path is None else Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
-    _memo[path] = data
+    _memo.pop(path, None)  # re-read through load's checks rather than trusting ``data``
     return path
 
 
@@ -173,11 +206,4 @@ def lookup(section: str, name: str, key: Key, path: Path | None = None, gpu: str
         data = load(shipped)
     if data is None:
         return None
-    entries = data[section].get(name)
-    if not isinstance(entries, list):
-        return None
-    try:
-        return nearest(entries, key)
-    except (TypeError, ValueError, AttributeError):
-        warnings.warn(f"fastaf: malformed entries for {name} in the tuning cache; ignored", stacklevel=2)
-        return None
+    return nearest(data[section].get(name, []), key)  # load dropped malformed entries

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -85,6 +86,25 @@ def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None
             return None
         conf["num_stages"] -= 1
     return conf
+
+
+_FLAGS = ("USE_TMA", "DB_PARTIAL")  # 0/1 switches
+_POW2 = ("BLOCK", "num_warps")  # BLOCK_* are tl.arange extents; warps come in powers of two
+
+
+def config_problem(conf: dict) -> str | None:
+    """Why a cached config cannot be launched (``BLOCK_M: 0``, ``num_warps: "eight"``), or None."""
+    for key, value in conf.items():
+        if type(value) is not int:  # bool and float are not configs either
+            return f"{key}={value!r} is not an int"
+        if key in _FLAGS:
+            if value not in (0, 1):
+                return f"{key}={value} is not 0 or 1"
+        elif value < 1:
+            return f"{key}={value} is not positive"
+        elif key.startswith(_POW2) and value & (value - 1):
+            return f"{key}={value} is not a power of two"
+    return None
 
 
 def gemm_configs(elt: int = 2) -> list[dict]:
@@ -608,6 +628,11 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
         # the default's keys exactly: it fills in a meta-parameter the entry predates, and a key
         # this version's kernel does not take (a cache from another fastaf) is dropped
         conf = {k: conf.get(k, v) for k, v in phase_default.items()}
+        problem = config_problem(conf)
+        if problem is not None:  # memoized below: one warning per phase and shape
+            warnings.warn(f"fastaf: ignoring the tuning cache's lora_linear.{phase} config for "
+                          f"{key}: {problem}; using the default", stacklevel=2)
+            conf, entry = dict(phase_default), None
         if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
             fits = functools.partial(fit, phase, r_pad=_r_pad(key.get("R", 1)), limit=_smem_limit(device),
                                      elt=4 if key.get("dtype") == "float32" else 2)

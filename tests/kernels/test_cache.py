@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -173,5 +174,77 @@ def test_cached_config_keys_follow_this_versions_kernel():
         conf = ll._config("gemm", torch.device("cuda", 0), key)
         assert conf == {**ll.DEFAULTS["gemm"], **{k: v for k, v in old.items() if k != "SPLIT_STORE"}}
         assert conf["GROUP_M"] == ll.DEFAULTS["gemm"]["GROUP_M"]  # absent from the entry
+    finally:
+        ll.clear_memos()
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda d: d["kernels"].update({"lora_linear.gemm": ["not an object", 3]}),
+        lambda d: d["kernels"].update({"lora_linear.gemm": {"key": 1}}),
+        lambda d: d["dispatch"]["lora_linear.fwd"][0].pop("winner"),
+        lambda d: d["dispatch"]["lora_linear.fwd"][0].pop("key"),
+        lambda d: d["dispatch"]["lora_linear.fwd"][0]["key"].update(M=[8192]),
+        lambda d: d["kernels"]["lora_linear.gemm"][0].pop("config"),
+    ],
+)
+def test_malformed_entries_are_one_warning_and_ignored(tmp_cache, capsys, break_it):
+    data = _data()
+    break_it(data)
+    _cache.save(data)
+    with pytest.warns(UserWarning, match=r"ignoring malformed entries of") as seen:
+        assert cli.main(["--list"]) == 0  # no traceback
+    assert len(seen) == 1 and "\n" not in str(seen[0].message)
+    assert "gpu=" in capsys.readouterr().out
+    key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}
+    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) in ("triton", "addmm")
+    for entry in _cache.load().get("kernels", {}).get("lora_linear.gemm", []):
+        assert isinstance(entry["config"], dict)  # what survived is well-formed
+
+
+def test_clear_survives_a_directory_and_an_undeletable_file(tmp_cache, capsys, monkeypatch):
+    _cache.save(_data())
+    (tmp_cache / "tune-dir-triton1.json").mkdir()
+    locked = tmp_cache / "tune-locked-triton1.json"
+    locked.write_text("{}")
+    real_unlink = type(locked).unlink
+
+    def unlink(self, *a, **k):
+        if self.name == locked.name:
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(type(locked), "unlink", unlink)
+    assert cli.main(["--clear"]) == 1  # failures reported in the exit status, not a traceback
+    captured = capsys.readouterr()
+    assert "could not remove" in captured.err and "tune-dir-triton1.json" in captured.err
+    assert "Permission denied" in captured.err
+    assert sorted(p.name for p in tmp_cache.glob("tune-*.json")) == ["tune-dir-triton1.json", "tune-locked-triton1.json"]
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [({"BLOCK_M": 0}, "BLOCK_M=0 is not positive"), ({"num_warps": "eight"}, "num_warps='eight' is not an int"),
+     ({"BLOCK_N": 96}, "BLOCK_N=96 is not a power of two"), ({"num_stages": 2.5}, "num_stages=2.5 is not an int"),
+     ({"USE_TMA": 2}, "USE_TMA=2 is not 0 or 1"), ({"num_warps": True}, "num_warps=True is not an int")],
+)
+def test_nonsense_kernel_configs_are_not_launched(bad, problem, monkeypatch):
+    import torch
+
+    from fastaf.kernels import lora_linear as ll
+
+    monkeypatch.setattr(ll, "_smem_limit", lambda device: 232448)  # H100's opt-in limit
+
+    phase = "fwd_h" if "USE_TMA" in bad else "gemm"
+    key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
+    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data["kernels"][f"lora_linear.{phase}"] = [{"key": key, "config": {**ll.DEFAULTS[phase], **bad}}]
+    _cache.save(data)
+    ll.clear_memos()
+    try:
+        with pytest.warns(UserWarning, match=re.escape(problem)):
+            conf = ll._config(phase, torch.device("cuda", 0), key)
+        assert ll.config_problem(conf) is None and conf == ll.DEFAULTS[phase]
     finally:
         ll.clear_memos()
