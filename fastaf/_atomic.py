@@ -13,9 +13,8 @@ complete new one:
   next write finishes the moves before it starts its own.
 
 Other files in the directory are left alone. Readers never write, so read-only folders (a hub
-cache) work. Tools that do not know the protocol (PEFT) see the old set, the new set, or, only
-after a writer was killed past its commit point, a mix until the next fastaf write or read-write
-``finish_pending`` call.
+cache) work. Tools that do not know the protocol (PEFT) see the old set or the new set, except
+after a writer was killed past its commit point: then a mix, until the next fastaf save there.
 """
 from __future__ import annotations
 
