@@ -150,11 +150,15 @@ def host_bisect(M: int = 2048, K: int = 4096, N: int = 4096, r: int = 16) -> Non
                           s, 0.0, None, True, "auto")),
         "addmm Function": (lambda: _AddmmLoRA.apply(xg, W, A, B, s),
                            lambda: torch.autograd.grad(_AddmmLoRA.apply(xg, W, A, B, s), grads, dy)),
-        "eager Function": (lambda: L._eager_apply(xg, W, None, A, B, s, 0.0, None, "auto"),
-                           lambda: torch.autograd.grad(L._eager_apply(xg, W, None, A, B, s, 0.0, None, "auto"),
+        "eager Function": (lambda: L._apply_direct(0, xg, W, None, A, B, s, 0.0, None, "auto"),
+                           lambda: torch.autograd.grad(L._apply_direct(0, xg, W, None, A, B, s, 0.0, None, "auto"),
                                                        grads, dy)),
         "public": (lambda: fa.functional.lora_linear(xg, W, None, lora),
                    lambda: torch.autograd.grad(fa.functional.lora_linear(xg, W, None, lora), grads, dy)),
+        # torch.func.grad's grad level around the same call: functorch's cost on top of "public"
+        "public func.grad": (lambda: fa.functional.lora_linear(xg, W, None, lora),
+                             lambda: torch.func.grad(lambda xx, lo: (fa.functional.lora_linear(xx, W, None, lo) * dy).sum(),
+                                                     argnums=(0, 1))(x, fa.LoRA(Ad, Bd, s))),
     }
     # rounds interleave the variants, so a noisy stretch of the host spreads over all of them
     timings: dict[tuple[str, str, bool], list[float]] = {}

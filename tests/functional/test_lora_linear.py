@@ -10,6 +10,7 @@ import torch
 
 import fastaf as fa
 from fastaf.functional import lora_linear
+from fastaf.functional import _lora_linear as L
 from fastaf.functional._lora_linear import _LoRALinearFn
 from fastaf.kernels.dropout_hash import keep_mask
 from tests._tolerances import assert_close
@@ -111,7 +112,7 @@ def test_gradcheck_fp64(dropout):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_gradcheck_fp64_eager_path(dropout):
-    """Plain eager calls take _EagerLoRALinearFn (no group axis): gradcheck it with leading dims."""
+    """Plain eager calls take _LoRALinearDirect (no group axis): gradcheck it with leading dims."""
     x, w, b, lo = make(M=3, K=3, N=2, r=2, dtype=torch.float64, lead=(2,))
     args = [t.clone().requires_grad_() for t in (x, w, b, lo.A, lo.B)]
 
@@ -119,7 +120,7 @@ def test_gradcheck_fp64_eager_path(dropout):
         torch.manual_seed(5)  # the same dropout seed on every evaluation
         return lora_linear(x, w, b, fa.LoRA(A, B, 0.7, dropout))
 
-    assert "_EagerLoRALinearFn" in type(fn(*args).grad_fn).__name__
+    assert "_LoRALinearDirect" in type(fn(*args).grad_fn).__name__
     assert torch.autograd.gradcheck(fn, args)
 
 
@@ -170,6 +171,52 @@ def test_vmap_over_stack_and_inputs_has_no_fallback():
         assert_close(y_both[i], ref(xs[i], w, b, l), torch.float32, f"x and adapter {i}")
         gi = torch.func.grad(lambda l: lora_linear(x, w, b, l).square().sum())(l)
         assert_close(g.A[i], gi.A, torch.float32, f"dA {i}")
+
+
+def test_transforms_route_to_the_direct_vjp_or_the_function():
+    """One grad level innermost (vmap outside it allowed) takes _LoRALinearDirect; the rest
+    (vmap innermost, grad of grad) functorch's handling of _LoRALinearFn."""
+    x, w, b, lo = make(lead=())
+    seen = []
+
+    def probe(l):
+        seen.append(L._direct_level(x, w, b, l.A, l.B))
+        return lora_linear(x, w, b, l).square().sum()
+
+    st = fa.stack([fa.Adapter({"l": lo})] * 2)["l"]
+    probe(lo)
+    torch.func.grad(probe)(lo)
+    torch.func.vmap(torch.func.grad(probe))(st)
+    torch.func.vmap(probe)(st)
+    torch.func.grad(lambda l: torch.func.vmap(probe)(l).sum())(st)
+    torch.func.grad(lambda l: torch.func.grad(probe)(l).A.sum())(lo)
+    assert seen[0] == 0 and seen[1] > 0 and seen[2] > 0 and seen[3:] == [-1, -1, -1]
+
+
+def test_direct_vjp_under_grad_and_vmap_grad_equals_autograd(monkeypatch):
+    x, w, b, lo = make(lead=(2,))
+    los = [fa.LoRA(lo.A * (i + 1), lo.B - i, lo.scale) for i in range(3)]
+
+    def refuse(*args):
+        raise AssertionError("took functorch's path for _LoRALinearFn")
+
+    def autograd_grads(l):
+        A, B = l.A.clone().requires_grad_(), l.B.clone().requires_grad_()
+        lora_linear(x, w, b, fa.LoRA(A, B, l.scale)).square().sum().backward()
+        return A.grad, B.grad
+
+    want = [autograd_grads(l) for l in los]
+    monkeypatch.setattr(L._LoRALinearFn, "apply", refuse)
+    loss = lambda l: lora_linear(x, w, b, l).square().sum()
+    for l, (dA, dB) in zip(los, want):
+        g = torch.func.grad(loss)(l)
+        assert_close(g.A, dA, torch.float32, "dA") and assert_close(g.B, dB, torch.float32, "dB")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        g = torch.func.vmap(torch.func.grad(loss))(fa.stack([fa.Adapter({"l": l}) for l in los])["l"])
+    for i, (dA, dB) in enumerate(want):
+        assert_close(g.A[i], dA, torch.float32, f"dA {i}")
+        assert_close(g.B[i], dB, torch.float32, f"dB {i}")
 
 
 def test_vmap_dropout_needs_randomness_flag():
