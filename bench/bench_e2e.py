@@ -1,6 +1,7 @@
 """End to end: one LoRA training step of a Llama-3.2-1B-shaped model, fastaf vs PEFT (BENCH.md).
 
-    python bench/bench_e2e.py [--tiny] [--providers base,peft,peft-bf16,fastaf-func,fastaf-init]
+    python bench/bench_e2e.py [--tiny] [--providers base,base-compiled,peft,fastaf-func,...] [--name e2e]
+    python bench/bench_e2e.py --liger        # base-liger, peft-bf16-liger, fastaf-autograd-liger
 
 Model: hidden 2048, 16 layers, 32 heads, 8 kv heads, MLP 8192, vocab 128256, random bf16
 weights; batch 8 x 1024 tokens; LoRA r=16, alpha=32 on q,k,v,o,gate,up,down; AdamW on the adapter.
@@ -15,6 +16,13 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   ``loss.backward()`` and ``torch.optim.AdamW``.
 - fastaf-init: the stateful layer (``fa.init`` + ``add_new_adapter``), ``loss.backward()`` and
   ``torch.optim.AdamW`` (what HF Trainer does).
+- base-compiled: ``torch.compile(model)``, forward + backward as ``base``.
+- fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
+  JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
+- ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
+  the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger and
+  fastaf-autograd-liger. Liger patches transformers' Llama module globally, so it runs in a
+  process of its own.
 The first step of every provider is checked: its loss equals the base model's (B starts at 0).
 Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
 """
@@ -34,7 +42,9 @@ from bench import _harness as H  # noqa: E402
 import fastaf as fa  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROVIDERS = ["base", "base-func", "peft", "peft-bf16", "fastaf-func", "fastaf-autograd", "fastaf-init"]
+PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
+             "fastaf-func", "fastaf-func-compiled"]
+LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger"]
 
 
 def make_model(tiny: bool, device: str):
@@ -51,11 +61,12 @@ def make_model(tiny: bool, device: str):
     return model.train().requires_grad_(False)
 
 
-def base_step(model, ids):
+def base_step(model, ids, compiled: bool = False):
     emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    run = torch.compile(model) if compiled else model
 
     def step():
-        loss = model(inputs_embeds=emb, labels=ids).loss
+        loss = run(inputs_embeds=emb, labels=ids).loss
         loss.backward()
         return loss
 
@@ -85,13 +96,14 @@ def peft_step(model, ids, bf16: bool):
     return _autograd_step(lambda: pm(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
-def fastaf_func_step(model, ids):
+def fastaf_func_step(model, ids, compiled: bool = False):
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     leaves, spec = pytree.tree_flatten(adapter)
     # The optimizer owns the fp32 master leaves; the adapter value is rebuilt from them each step.
     opt = torch.optim.AdamW(leaves, lr=1e-4, fused=ids.is_cuda)
     batch = {"input_ids": ids, "labels": ids}
     grad_fn = torch.func.grad_and_value(lambda ad: fa.functional_call(model, ad, (), batch).loss)
+    grad_fn = torch.compile(grad_fn, fullgraph=True) if compiled else grad_fn
 
     def step():
         grads, loss = grad_fn(pytree.tree_unflatten(leaves, spec))
@@ -146,21 +158,37 @@ def _wall_ms(step, n: int = 5) -> dict:
     return {"ms": times[n // 2], "p20": times[n // 5], "p80": times[(4 * n) // 5]}
 
 
+def _liger(model):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=model)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model on any device (a smoke test)")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--liger", action="store_true", help="patch Liger-Kernel in; run the -liger providers")
+    ap.add_argument("--providers", default=None, help="default: all of this mode's")
+    ap.add_argument("--name", default=None, help="result file name (default e2e, e2e-liger)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args.tiny, device)
+    model = _liger(model) if args.liger else model
+    providers = args.providers or ",".join(LIGER_PROVIDERS if args.liger else PROVIDERS)
     batch, seq = (2, 64) if args.tiny else (8, 1024)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    makers = {"base": base_step, "peft": lambda m, i: peft_step(m, i, bf16=False),
+    makers = {"base": base_step, "base-compiled": lambda m, i: base_step(m, i, compiled=True),
+              "peft": lambda m, i: peft_step(m, i, bf16=False),
               "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
+              "fastaf-func-compiled": lambda m, i: fastaf_func_step(m, i, compiled=True),
               "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
-              "fastaf-init": fastaf_init_step}
+              "fastaf-init": fastaf_init_step, "base-liger": base_step,
+              "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step}
     rows, base_loss = [], None
-    for name in args.providers.split(","):
+    for name in providers.split(","):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()  # each provider's own peak
         step = makers[name](model, ids)
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
         base_loss = first if base_loss is None else base_loss
@@ -174,10 +202,11 @@ def main() -> None:
         print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}", flush=True)
         del step
         torch.cuda.empty_cache() if device == "cuda" else None
-    base = next((r["ms"] for r in rows if r["provider"] == "base"), None)
+    base = next((r["ms"] for r in rows if r["provider"] in ("base", "base-liger")), None)
     for r in rows:
         r["ratio_to_base"] = r["ms"] / base if base else None
-    path = H.write_results("e2e" + ("-tiny" if args.tiny else ""), rows, {"batch": batch, "seq": seq})
+    name = args.name or ("e2e-liger" if args.liger else "e2e") + ("-tiny" if args.tiny else "")
+    path = H.write_results(name, rows, {"batch": batch, "seq": seq})
     print(f"wrote {path}")
     for r in rows:
         print(f"  {r['provider']:12s} {r['ms']:8.2f} ms  {r['ratio_to_base']:.2f}x base" if base else r)
