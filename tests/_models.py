@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    FalconConfig,
+    FalconForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -44,10 +48,27 @@ def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadMo
     return _seeded(GPT2LMHeadModel, cfg, seed, dtype)
 
 
+def tiny_falcon(seed: int = 0, dtype: torch.dtype = torch.float32) -> FalconForCausalLM:
+    """Falcon's FalconLinear computes ``x @ self.weight.T``, not F.linear."""
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=False, attn_implementation="eager")
+    return _seeded(FalconForCausalLM, cfg, seed, dtype)
+
+
+def tiny_bart(seed: int = 0, dtype: torch.dtype = torch.float32) -> BartForConditionalGeneration:
+    """An encoder-decoder: ``generate`` runs the encoder outside ``model.forward``."""
+    cfg = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                     forced_eos_token_id=None, attn_implementation="eager")
+    return _seeded(BartForConditionalGeneration, cfg, seed, dtype)
+
+
 MODELS = {
     "llama": (tiny_llama, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "qwen2": (tiny_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "gpt2": (tiny_gpt2, ["c_attn", "c_proj", "c_fc"]),
+    "falcon": (tiny_falcon, ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
 }
 
 

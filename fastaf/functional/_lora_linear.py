@@ -405,7 +405,11 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             ctx.triton = _direct_ok(x2, weight, bias, a, b) and _use_triton(impl, x2)
             y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton)
-            y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+            if x.dim() != 2:
+                # not a view for autograd: models modify a layer's output in place (Falcon), which
+                # autograd forbids on a view made inside a custom Function
+                shape = (*x.shape[:-1], weight.shape[0])
+                y = _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
         finally:
             if saved_layer is not None:
                 _functorch.push_dynamic_layer_stack(saved_layer)
@@ -440,6 +444,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         return None, dx if need_x else None, dweight, dbias, da, db, None, None, None, None
 
 
+_unsafe_view = torch.ops.aten._unsafe_view.default
 _direct_apply = _LoRALinearDirect.apply  # the C apply: no functorch dispatch, no argument binding
 _single_level_allowed = _functorch.get_single_level_autograd_function_allowed
 _allow_single_level = _functorch.set_single_level_autograd_function_allowed

@@ -57,7 +57,7 @@ def assert_unchanged(model, snap):
         assert torch.equal(now["state"][k], v), k
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "falcon"])
 def test_logits_and_grads_match_peft(name):
     make_model, targets = MODELS[name]
     base = make_model()
@@ -225,3 +225,44 @@ def test_gradient_checkpointing_with_checkpoint_context():
     fa.functional_call(ckpt, ad2, (ids,), {"labels": ids}).loss.backward()
     for (path, lora), A in zip(want.items(), leaves[::2]):
         assert rel_err(A.grad, lora.A) < RTOL, path
+
+
+class _EinsumLinear(torch.nn.Linear):
+    """A linear layer whose forward reaches its weight through einsum: no rule adapts that."""
+
+    def forward(self, x):
+        return torch.einsum("...k,nk->...n", x, self.weight) + self.bias
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _EinsumLinear(6, 5)
+        self.plain = torch.nn.Linear(5, 4)
+        self.unused = torch.nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.plain(self.inner(x))
+
+
+def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs_a_warning():
+    model = _Tiny()
+    snap = snapshot(model)
+    x = torch.randn(3, 6)
+    ad = random_adapter(model, ["inner", "plain"])
+    with pytest.raises(ValueError, match=r"inner \(_EinsumLinear\) ran 1 time\(s\).*silently lost"):
+        fa.functional_call(model, ad, (x,))
+    assert_unchanged(model, snap)  # the counting hooks are gone
+    with pytest.warns(UserWarning, match=r"did not run.*\['unused'\]"):
+        fa.functional_call(model, random_adapter(model, ["plain", "unused"]), (x,))
+
+
+def test_every_transpose_of_the_weight_is_adapted():
+    w, x = torch.nn.Linear(6, 6), torch.randn(2, 3, 6)  # square: a transpose keeps the shape
+    ad = fa.Adapter({"": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2), 0.5)})
+    want = fa.functional_call(w, ad, (x,))
+    for use in (lambda m, x: x @ m.weight.T, lambda m, x: x @ m.weight.t(), lambda m, x: torch.matmul(x, m.weight.mT),
+                lambda m, x: x.matmul(m.weight.transpose(-1, -2)), lambda m, x: x @ torch.transpose(m.weight, 1, 0)):
+        m = copy.deepcopy(w)
+        m.forward = lambda x, m=m, use=use: use(m, x) + m.bias  # an instance forward: counted, and adapted
+        torch.testing.assert_close(fa.functional_call(m, ad, (x,)), want)
