@@ -7,9 +7,12 @@ A thin layer over the functional core for code that expects a stateful model (HF
   at ``fastaf.adapters.<name>.<module path, "." -> "__">.{A,B}``, so ``model.parameters()``,
   optimizers and ``Trainer`` see them. The base parameters are frozen; only the active adapter's
   factors require grad, so an optimizer built from the trainable parameters gets exactly those.
-- ``model.forward`` becomes the original forward run under ``adapter_mode(model, active)``: the
-  same fused ``lora_linear`` op as ``fastaf.functional_call``. ``model(...)`` and
-  ``model.generate(...)`` both go through it.
+- Each module the active adapter targets gets a forward pre-hook and an always-called forward
+  hook that enter and leave a mode adapting that module's weight (``functional.module_mode``):
+  the same fused ``lora_linear`` op as ``fastaf.functional_call``, wherever the module runs:
+  ``model(...)``, ``generate``'s encoder and vision tower, a submodule called on its own, a
+  checkpointed layer's recompute. Modules the active adapter does not target carry no hook and
+  pay nothing; ``forward`` is the class's own.
 - Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
   ``active_adapter``.
 
@@ -17,25 +20,21 @@ Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stan
 active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
 active one applies.
 
-Activation checkpointing re-runs layers during backward, outside ``model.forward``'s mode: enable
-it with ``context_fn=fastaf.functional.checkpoint_context`` (non-reentrant), which replays the
-adapter for the recompute; without it non-reentrant checkpointing raises a CheckpointError.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import tempfile
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
-from .functional._call import _LoRAMode
+from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter, module_mode
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 
@@ -76,15 +75,14 @@ class _AdapterSlot(nn.ModuleDict):
 
 
 class _Registry(nn.Module):
-    """Every adapter of one model (``model.fastaf``) and which one is active."""
+    """Every adapter of one model (``model.fastaf``), which one is active, and its module hooks."""
 
-    def __init__(self, inner_forward: Any) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
-        # An instance-level forward that was there before init (e.g. accelerate's device hook);
-        # None means the class's forward.
-        self.inner_forward = inner_forward
+        self.active_loras: dict[str, LoRA] = {}  # the active slot's LoRAs (its Parameters), by path
+        self.hooked: dict[str, tuple] = {}  # path -> (pre-hook id, hook id) on that module
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}"
@@ -93,6 +91,46 @@ class _Registry(nn.Module):
         if not isinstance(name, str) or name not in self.adapters:
             raise KeyError(f"no adapter named {name!r}; this model has {list(self.adapters)}")
         return self.adapters[name]
+
+    def activate(self, model: nn.Module, name: str | None) -> None:
+        """Make ``name`` active: hooks on exactly its modules, only its factors trainable."""
+        modules = dict(model.named_modules())
+        for path, (pre_id, post_id) in self.hooked.items():
+            modules[path]._forward_pre_hooks.pop(pre_id, None)
+            modules[path]._forward_hooks.pop(post_id, None)
+            modules[path]._forward_hooks_always_called.pop(post_id, None)
+        self.hooked, self.active = {}, name
+        self.active_loras = {} if name is None else dict(self.slot(name).adapter(detach=False))
+        for path in self.active_loras:
+            pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, path))
+            post = modules[path].register_forward_hook(functools.partial(self.leave_module, path), always_call=True)
+            self.hooked[path] = (pre.id, post.id)
+        for slot_name, slot in self.adapters.items():
+            for p in slot.parameters():
+                p.requires_grad_(slot_name == name)
+
+    def enter_module(self, path: str, module: nn.Module, args: Any) -> None:
+        # inside functional_call the explicit adapter stands in for the active one
+        mode = None if explicit_mode_active() else module_mode(path, module, self.active_loras[path])
+        if mode is not None:
+            mode.__enter__()
+        _open_modes().append((module, mode))
+
+    def leave_module(self, path: str, module: nn.Module, args: Any, output: Any) -> None:
+        stack = _open_modes()
+        if stack and stack[-1][0] is module:
+            mode = stack.pop()[1]
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
+
+_local = threading.local()  # modes are per thread, and so is the stack of the hooks that opened them
+
+
+def _open_modes() -> list:
+    if not hasattr(_local, "modes"):
+        _local.modes = []
+    return _local.modes
 
 
 def _check_new_name(name: Any, existing: Mapping[str, Any]) -> None:
@@ -123,40 +161,6 @@ def _without_registry(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         model._modules[_ATTR] = registry
-
-
-def _inside_functional_call() -> bool:
-    """True when a fastaf adapter mode (``functional_call``'s) is already active."""
-    return any(isinstance(m, _LoRAMode) for m in torch.overrides._get_current_function_mode_stack())
-
-
-def _adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The model's original forward, with the active adapter applied through ``adapter_mode``."""
-    registry = _registry(self)
-    inner = registry.inner_forward or functools.partial(type(self).forward, self)
-    if registry.active is None or _inside_functional_call():
-        return inner(*args, **kwargs)
-    adapter = registry.slot(registry.active).adapter(detach=False)  # the Parameters: grads reach them
-    with adapter_mode(self, adapter):  # `with` leaves no mode behind, also when forward raises
-        return inner(*args, **kwargs)
-
-
-def _bind_forward(model: nn.Module) -> None:
-    # A fresh function per model so functools.wraps can give it the class forward's signature:
-    # Trainer and generate inspect model.forward's parameters.
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _adapted_forward(self, *args, **kwargs)
-
-    functools.update_wrapper(forward, type(model).forward)
-    # Bound with MethodType (not a closure over model) so copy.deepcopy rebinds it to the copy.
-    model.forward = types.MethodType(forward, model)
-
-
-def _set_trainable(registry: _Registry) -> None:
-    """Only the active adapter's factors require grad."""
-    for name, slot in registry.adapters.items():
-        for p in slot.parameters():
-            p.requires_grad_(name == registry.active)
 
 
 def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig | None) -> None:
@@ -205,17 +209,17 @@ def _set_active_adapter(self: nn.Module, name: str | None) -> None:
     registry = _registry(self)
     if name is not None:
         registry.slot(name)  # KeyError naming the known adapters
-    registry.active = name
-    _set_trainable(registry)
+    with _without_registry(self) as base:
+        registry.activate(base, name)
 
 
 def _remove_adapter(self: nn.Module, name: str) -> None:
     """Delete adapter ``name`` and its parameters; removing the active adapter deactivates it."""
     registry = _registry(self)
     registry.slot(name)
-    del registry.adapters[name]
     if registry.active == name:
-        registry.active = None
+        _set_active_adapter(self, None)
+    del registry.adapters[name]
 
 
 def _get_adapter(self: nn.Module, name: str) -> Adapter:
@@ -243,9 +247,9 @@ _METHODS = {
 def init(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for the stateful API (idempotent) and return it.
 
-    Freezes every base parameter, registers the empty adapter registry ``model.fastaf``, wraps
-    ``model.forward`` and binds ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``,
-    ``get_adapter`` and ``active_adapter`` on this instance (see the module docstring).
+    Freezes every base parameter, registers the empty adapter registry ``model.fastaf`` and binds
+    ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter`` and
+    ``active_adapter`` on this instance (see the module docstring).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -260,8 +264,7 @@ def init(model: nn.Module) -> nn.Module:
         raise ValueError(f"fastaf.init: {type(model).__name__} already has attribute(s) {taken}")
     for p in model.parameters():
         p.requires_grad_(False)
-    model.add_module(_ATTR, _Registry(model.__dict__.get("forward")))
-    _bind_forward(model)
+    model.add_module(_ATTR, _Registry())
     for name, fn in _METHODS.items():
         setattr(model, name, types.MethodType(fn, model))
     return model

@@ -9,7 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
 import fastaf._hub
-from tests._models import VOCAB, random_adapter, tiny_gpt2, tiny_llama, token_batch
+from tests._models import VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 MAKERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
@@ -124,6 +124,60 @@ def test_generate_uses_the_active_adapter():
         assert not torch.equal(adapted, base.generate(ids, **kw))
         model.set_active_adapter(None)
         assert torch.equal(model.generate(ids, **kw), base.generate(ids, **kw))
+
+
+def test_generate_adapts_the_encoder_of_an_encoder_decoder_like_peft():
+    """generate runs BART's encoder outside model.forward; its LoRA must still apply."""
+    import peft
+
+    base = tiny_bart()
+    targets = ["q_proj", "v_proj", "fc1"]
+    adapter = 20.0 * random_adapter(base, targets, r=4, alpha=8.0, seed=3)
+    encoder_paths = [p for p in adapter if p.startswith("model.encoder.")]
+    assert encoder_paths
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
+    for path, lora in adapter.items():
+        layer = pm.base_model.model.get_submodule(path)
+        with torch.no_grad():
+            layer.lora_A["default"].weight.copy_(lora.A)
+            layer.lora_B["default"].weight.copy_(lora.B * 20.0)  # the scale folded into B
+    ids = token_batch(batch=2, seq=7)
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=1, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ours, ref = model.generate(ids, **kw), pm.generate(input_ids=ids, **kw)
+        enc = model.get_encoder()(ids).last_hidden_state  # the encoder called on its own
+        enc_ref = pm.base_model.model.get_encoder()(ids).last_hidden_state
+    assert torch.equal(ours.sequences, ref.sequences)
+    for a, b in zip(ours.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(enc, enc_ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(enc, base.get_encoder()(ids).last_hidden_state)
+
+
+def test_a_submodule_called_alone_uses_the_active_adapter():
+    base, model = inited()
+    path = "model.layers.1.self_attn.q_proj"
+    lora = model.get_adapter("b")[path]
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        got = model.get_submodule(path)(x)
+        want = torch.nn.functional.linear(x, base.get_submodule(path).weight) + lora.scale * (x @ lora.A.T) @ lora.B.T
+        torch.testing.assert_close(got, want)
+        model.set_active_adapter(None)  # the hooks go with the adapter
+        assert torch.equal(model.get_submodule(path)(x), base.get_submodule(path)(x))
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_compiled_model_keeps_the_active_adapter():
+    base, model = inited()
+    ids = token_batch()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        assert not torch.allclose(compiled(ids).logits, base(ids).logits)
 
 
 def test_forward_keeps_the_signature_and_a_raising_call_leaves_no_mode():
@@ -333,7 +387,7 @@ def test_a_failed_load_changes_nothing(tmp_path, inited_first):
     with pytest.raises(ValueError, match="non-empty str"):
         fa.load_adapter(model, path_or_repo_id=tmp_path / "gpt2", name="a.b")
     _assert_same(before, _snapshot(model))
-    assert ("forward" in vars(model)) == inited_first  # not wrapped by a failed load
+    assert hasattr(model, "fastaf") == inited_first  # no registry from a failed load
 
 
 def test_save_records_the_config(tmp_path):
