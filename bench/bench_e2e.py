@@ -20,8 +20,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
   JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
-  the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger and
-  fastaf-autograd-liger. Liger patches transformers' Llama module globally, so it runs in a
+  the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger,
+  fastaf-autograd-liger and fastaf-init-liger. Liger patches transformers' Llama module globally, so it runs in a
   process of its own.
 The first step of every provider is checked: its loss equals the base model's (B starts at 0).
 Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
@@ -44,7 +44,7 @@ import fastaf as fa  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
              "fastaf-func", "fastaf-func-compiled"]
-LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger"]
+LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger"]
 
 
 def make_model(tiny: bool, device: str):
@@ -184,7 +184,8 @@ def main() -> None:
               "fastaf-func-compiled": lambda m, i: fastaf_func_step(m, i, compiled=True),
               "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
-              "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step}
+              "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
+              "fastaf-init-liger": fastaf_init_step}
     rows, base_loss = [], None
     for name in providers.split(","):
         if device == "cuda":
