@@ -84,3 +84,62 @@ def random_adapter(model, targets, r: int = 4, alpha: float = 8.0, seed: int = 0
 def token_batch(batch: int = 2, seq: int = 12, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+# ---- more families, each with its own inputs: (maker, targets, inputs(seed) -> kwargs) ----------
+
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _causal(cls_name: str, cfg_name: str, **extra):
+    def make(seed: int = 0, dtype: torch.dtype = torch.float32):
+        import transformers
+
+        cfg = getattr(transformers, cfg_name)(vocab_size=VOCAB, attn_implementation="eager", **extra)
+        return _seeded(getattr(transformers, cls_name), cfg, seed, dtype)
+
+    return make
+
+
+def _ids(seed: int = 0) -> dict:
+    ids = token_batch(seed=seed)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _classify(seed: int = 0) -> dict:
+    return {"input_ids": token_batch(seed=seed), "labels": torch.tensor([0, 1])}
+
+
+def _pixels(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.tensor([0, 1])}
+
+
+def _seq2seq(seed: int = 0) -> dict:
+    ids = token_batch(seed=seed)
+    return {"input_ids": ids, "labels": token_batch(seq=5, seed=seed + 1)}
+
+
+_LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARCHS = {
+    "mistral": (_causal("MistralForCausalLM", "MistralConfig", **_SMALL, num_key_value_heads=2), _LLAMA_LIKE, _ids),
+    "qwen3": (_causal("Qwen3ForCausalLM", "Qwen3Config", **_SMALL, num_key_value_heads=2, head_dim=8), _LLAMA_LIKE, _ids),
+    "gemma2": (_causal("Gemma2ForCausalLM", "Gemma2Config", **_SMALL, num_key_value_heads=2, head_dim=8), _LLAMA_LIKE, _ids),
+    "phi3": (_causal("Phi3ForCausalLM", "Phi3Config", **_SMALL, pad_token_id=0), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], _ids),
+    "gpt_neox": (_causal("GPTNeoXForCausalLM", "GPTNeoXConfig", **_SMALL),
+                 ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], _ids),
+    "opt": (_causal("OPTForCausalLM", "OPTConfig", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=64), ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], _ids),
+    "gptj": (_causal("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64),
+             ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"], _ids),
+    "stablelm": (_causal("StableLmForCausalLM", "StableLmConfig", **_SMALL, num_key_value_heads=2), _LLAMA_LIKE, _ids),
+    "bert": (_causal("BertForSequenceClassification", "BertConfig", **_SMALL, num_labels=2), ["query", "key", "value", "dense"], _classify),
+    "roberta": (_causal("RobertaForSequenceClassification", "RobertaConfig", **_SMALL, num_labels=2, pad_token_id=1),
+                ["query", "key", "value", "dense"], _classify),
+    "t5": (_causal("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                   decoder_start_token_id=0), ["q", "k", "v", "o", "wi", "wo"], _seq2seq),
+    "vit": (lambda seed=0, dtype=torch.float32: _seeded(
+        __import__("transformers").ViTForImageClassification,
+        __import__("transformers").ViTConfig(**_SMALL, image_size=16, patch_size=8, num_labels=2, attn_implementation="eager"),
+        seed, dtype), ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"], _pixels),
+}

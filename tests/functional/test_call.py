@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastaf as fa
-from tests._models import MODELS, VOCAB, random_adapter, tiny_llama, token_batch
+from tests._models import ARCHS, MODELS, VOCAB, random_adapter, tiny_llama, token_batch
 from tests._tolerances import rel_err
 
 RTOL = 1e-5  # fp32 parity with PEFT, relative norm
@@ -266,3 +266,24 @@ def test_every_transpose_of_the_weight_is_adapted():
         m = copy.deepcopy(w)
         m.forward = lambda x, m=m, use=use: use(m, x) + m.bias  # an instance forward: counted, and adapted
         torch.testing.assert_close(fa.functional_call(m, ad, (x,)), want)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_more_architectures_match_peft(name):
+    """Forward and every LoRA gradient against PEFT on tiny random models of each family."""
+    make_model, targets, inputs = ARCHS[name]
+    base = make_model()
+    ad = random_adapter(base, targets, r=4, alpha=8.0)
+    batch = inputs()
+    snap = snapshot(base)
+    out = fa.functional_call(base, ad, (), batch)
+    grads = torch.func.grad(lambda a: fa.functional_call(base, a, (), batch).loss)(ad)
+    pm = peft_model_with(base, {"default": ad}, targets, {"default": (4, 8.0)})
+    ref = pm(**batch)
+    ref.loss.backward()
+    assert rel_err(out.logits, ref.logits) < RTOL
+    for path, g in grads.items():
+        layer = pm.base_model.model.get_submodule(path)
+        assert rel_err(g.A, layer.lora_A["default"].weight.grad) < 1e-4, path
+        assert rel_err(g.B, layer.lora_B["default"].weight.grad) < 1e-4, path
+    assert_unchanged(base, snap)
