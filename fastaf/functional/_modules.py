@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
@@ -71,6 +72,14 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
         if targets == "all-linear":
             skip = _output_embedding_paths(model)
             paths = [p for p, m in named.items() if p and p not in skip and linear_spec(m) is not None]
+            fused = [n for n, p in model.named_parameters() if p.dim() == 3]
+            if fused:  # PEFT's "all-linear" adapts these too (target_parameters); say what is left out
+                warnings.warn(
+                    f"fastaf: 'all-linear' adapts the {len(paths)} linear modules of {type(model).__name__} but "
+                    f"not its {len(fused)} fused 3-D (MoE expert) parameters, which fastaf cannot adapt yet: "
+                    f"{fused[:3]}",
+                    stacklevel=3,
+                )
         else:
             paths = [p for p in named if p and re.fullmatch(targets, p)]
         if not paths:
