@@ -1,20 +1,23 @@
 """``functional_call``: run an unmodified model with an adapter passed explicitly.
 
-The model is never touched. For the duration of the call a ``TorchFunctionMode`` routes every
-use of a targeted module's weight that computes a linear layer into ``lora_linear``, so the base
-GEMM and the LoRA term run as one fused op: ``F.linear(x, W, b)`` (``nn.Linear``),
-``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``) and ``x @ W.T`` (Falcon's ``FalconLinear``; any
-transpose of W, ``@`` / ``matmul``). A targeted module that runs without its weight meeting one
-of these rules is an error after the call, never a silently unadapted output. No hooks, patched methods or swapped modules are
-left to clean up; ``params`` are swapped by ``torch.func.functional_call``, which restores them.
-The mode is a plain Python object, so ``torch.func`` transforms and ``torch.compile`` trace
-through it (checked with ``torch._dynamo.explain`` in the tests).
+A ``TorchFunctionMode`` routes every use of a targeted module's weight that computes a linear
+layer into ``lora_linear``, so the base GEMM and the LoRA term run as one fused op:
+``F.linear(x, W, b)`` (``nn.Linear``), ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``) and
+``x @ W.T`` (Falcon's ``FalconLinear``; any transpose of W, ``@`` / ``matmul``).
+
+Eagerly, the mode is entered by hooks around each targeted module's forward only
+(``_ModuleScope``): other ops are never intercepted, and the weight is read when the module runs
+(FSDP2 swaps in its unsharded weight then). The hooks are removed when the call returns or
+raises, so the model is left as it was. Under ``torch.compile`` one mode spans the call instead:
+tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
+without its weight meeting a rule is an error after the call, never a silently unadapted output.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
 from ._lora_linear import lora_linear
-from ._modules import LinearSpec, known_forward, linear_spec
+from ._modules import LinearSpec, linear_spec
 
 
 @dataclasses.dataclass
@@ -39,7 +42,7 @@ class _Route:
     lora: LoRA
     spec: LinearSpec
     hits: int = 0  # uses of the weight sent through lora_linear
-    calls: int = 0  # calls of the module (counted in eager functional_call only)
+    calls: int = 0  # calls of the module (counted by eager functional_call's hooks)
 
 
 _TensorBase = torch._C.TensorBase
@@ -202,8 +205,78 @@ def module_mode(path: str, module: nn.Module, lora: LoRA, *, impl: str = "auto")
     return _LoRAMode({id(module.weight): route}, impl, explicit=False)
 
 
+_local = threading.local()  # per thread: the eager functional_call scopes, innermost last
+
+
+def _scopes() -> list[_ModuleScope]:
+    if not hasattr(_local, "scopes"):
+        _local.scopes = []
+    return _local.scopes
+
+
+class _ModuleScope:
+    """An eager ``functional_call``'s interception: hooks on each targeted module that enter a mode
+    adapting that module's weight for the length of its forward.
+
+    Routes are resolved when the module runs, from the weight it holds then (FSDP2's unsharded
+    weight, a ``params`` stand-in), and ops outside the targeted modules are never intercepted.
+    A scope acts only as the innermost call of the thread running the module, so concurrent calls
+    on one model and nested calls stay apart. The hooks are removed on exit, also on error.
+    """
+
+    def __init__(self, routes: dict[int, _Route], impl: str) -> None:
+        self.routes = list(routes.values())
+        self.impl = impl
+        self.handles: list[Any] = []
+        self.open: list[_LoRAMode | None] = []
+
+    def __enter__(self) -> _ModuleScope:
+        try:
+            for route in self.routes:
+                module = route.module
+                self.handles.append(module.register_forward_pre_hook(functools.partial(self._enter, route)))
+                # prepend: leave before FSDP2's post-forward hook reshards the weight
+                self.handles.append(module.register_forward_hook(
+                    functools.partial(self._leave, route), prepend=True, always_call=True))
+        except BaseException:
+            self._remove()
+            raise
+        _scopes().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _scopes().remove(self)
+        self._remove()
+
+    def _remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _enter(self, route: _Route, module: nn.Module, args: Any) -> None:
+        mode = None
+        scopes = _scopes()
+        if scopes and scopes[-1] is self:
+            route.calls += 1
+            route.weight = module.weight
+            mode = _LoRAMode({id(route.weight): route}, self.impl)
+            mode.__enter__()
+        self.open.append(mode)
+
+    def _leave(self, route: _Route, module: nn.Module, args: Any, output: Any) -> None:
+        mode = self.open.pop() if self.open else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def whole_call_mode(self) -> _LoRAMode:
+        """One mode over every route, for re-running a layer after the call (checkpointing)."""
+        return _LoRAMode({id(r.weight): r for r in self.routes}, self.impl)
+
+
 def explicit_mode_active() -> bool:
     """True inside ``functional_call`` (or an ``adapter_mode``): its adapter stands in for others."""
+    if _scopes():
+        return True
     return any(isinstance(m, _LoRAMode) and m.explicit for m in torch.overrides._get_current_function_mode_stack())
 
 
@@ -211,19 +284,20 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.
     """``context_fn`` for ``torch.utils.checkpoint`` that replays the adapter during recompute.
 
     Activation checkpointing re-runs a layer's forward during backward, after ``functional_call``
-    (or ``model(...)`` of a ``fastaf.init`` model) has left its adapter mode; without the adapter
-    the recompute differs from the forward (non-reentrant checkpointing raises a CheckpointError).
-    Pass this function as ``context_fn``::
+    has removed its hooks; without the adapter the recompute differs from the forward
+    (non-reentrant checkpointing raises a CheckpointError). Pass this function as ``context_fn``::
 
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
 
-    It is called at forward time, captures the active fastaf mode, and re-enters it for the
-    recompute.
+    It is called at forward time, captures the call's adapter, and re-enters it for the recompute.
+    (The stateful layer's hooks stay on the model and apply during recomputes by themselves.)
     """
     from torch.overrides import _get_current_function_mode_stack
 
-    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _LoRAMode)]
+    if _scopes():
+        return contextlib.nullcontext(), _scopes()[-1].whole_call_mode()
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _LoRAMode) and m.explicit]
     return contextlib.nullcontext(), (modes[-1] if modes else contextlib.nullcontext())
 
 
@@ -265,27 +339,12 @@ def functional_call(
         return run()
     mode = adapter_mode(model, adapter, params=params, impl=impl)
     if torch.compiler.is_compiling():
-        with mode:
+        with mode:  # tracers see one mode over the call (no hooks to register inside a graph)
             return run()
-    # A module with a forward of its own may use its weight in a way no rule adapts: count its
-    # calls (plain nn.Linear / Conv1D always meet a rule when they run, and need no hook).
-    handles = [
-        r.module.register_forward_pre_hook(functools.partial(_count_call, r))
-        for r in mode.routes.values()
-        if not known_forward(r.module)
-    ]
-    try:
-        with mode:
-            out = run()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _ModuleScope(mode.routes, impl):
+        out = run()
     _check_applied(mode.routes.values())
     return out
-
-
-def _count_call(route: _Route, module: nn.Module, args: Any) -> None:
-    route.calls += 1
 
 
 def _check_applied(routes: Any) -> None:

@@ -287,3 +287,56 @@ def test_more_architectures_match_peft(name):
         assert rel_err(g.A, layer.lora_A["default"].weight.grad) < 1e-4, path
         assert rel_err(g.B, layer.lora_B["default"].weight.grad) < 1e-4, path
     assert_unchanged(base, snap)
+
+
+def test_concurrent_calls_on_one_model_keep_their_own_adapters():
+    import threading
+
+    base = tiny_llama()
+    ads = [random_adapter(base, ["q_proj", "v_proj"], seed=s) for s in range(4)]
+    ids = token_batch()
+    with torch.no_grad():
+        want = [fa.functional_call(base, a, (ids,)).logits for a in ads]
+    got, errors = {}, []
+    barrier = threading.Barrier(len(ads))
+
+    def work(i):
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                for _ in range(3):
+                    got[i] = fa.functional_call(base, ads[i], (ids,)).logits
+        except Exception as err:  # reported below, with the thread's index
+            errors.append((i, err))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(ads))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, w in enumerate(want):
+        assert torch.equal(got[i], w), f"thread {i} saw another adapter"
+
+
+def test_a_weight_swapped_in_when_the_module_runs_is_adapted():
+    """FSDP2 registers the unsharded weight in a pre-forward hook and the sharded one back after:
+    the LoRA follows the weight the module holds when it runs."""
+    layer = torch.nn.Linear(6, 5)
+    full = layer.weight
+    layer.weight = torch.nn.Parameter(torch.empty(0))  # "sharded" between calls
+
+    def unshard(module, args):
+        module._parameters["weight"] = full
+
+    def reshard(module, args, output):
+        module._parameters["weight"] = torch.nn.Parameter(torch.empty(0))
+
+    layer.register_forward_pre_hook(unshard)
+    layer.register_forward_hook(reshard)
+    lora = fa.LoRA(torch.randn(2, 6), torch.randn(5, 2), 0.5)
+    x = torch.randn(3, 6)
+    got = fa.functional_call(layer, fa.Adapter({"": lora}), (x,))
+    want = torch.nn.functional.linear(x, full, layer.bias) + 0.5 * (x @ lora.A.T) @ lora.B.T
+    torch.testing.assert_close(got, want)
+    assert layer.weight.numel() == 0  # resharded after the call, as FSDP2 leaves it
