@@ -71,15 +71,26 @@ class _LoRAMode(TorchFunctionMode):
         self.views: dict[int, tuple[_Route, Tensor]] = {}
 
     def _route(self, weight: Any) -> _Route | None:
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot id() a tensor made inside the graph: compare identities,
+            # which it folds while tracing, so the scan costs nothing at run time
+            return next((r for r in self.routes.values() if r.weight is weight), None)
         route = self.routes.get(id(weight))
         return route if route is not None and route.weight is weight else None
+
+    def _view(self, t: Any) -> _Route | None:
+        """The route whose weight ``t`` is a transposed view of (made during this call), or None."""
+        if torch.compiler.is_compiling():
+            return next((route for route, view in self.views.values() if view is t), None)
+        view = self.views.get(id(t))
+        return view[0] if view is not None and view[1] is t else None
 
     def _as_kn(self, t: Any) -> tuple[_Route, Tensor] | tuple[None, None]:
         """(route, its (N, K) weight) when ``t`` is a routed weight laid out (K, N), as the right
         operand of ``x @ t``: W.T of an (N, K) weight, or a Conv1D weight itself."""
-        view = self.views.get(id(t))
-        if view is not None and view[1] is t and not view[0].spec.transposed:
-            return view[0], view[0].weight
+        route = self._view(t)
+        if route is not None and not route.spec.transposed:
+            return route, route.weight
         route = self._route(t)
         if route is not None and route.spec.transposed:
             return route, route.weight.t()
@@ -91,7 +102,7 @@ class _LoRAMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             route = self._route(args[0] if args else None)
             if route is not None and route.weight.dim() == 2 and (func in _TRANSPOSES or _swaps(args, kwargs)):
-                self.views[id(out)] = (route, out)
+                self.views[len(self.views) if torch.compiler.is_compiling() else id(out)] = (route, out)
             return out
         if func in _MATMULS and len(args) == 2 and not kwargs:
             route, weight = self._as_kn(args[1])
