@@ -340,3 +340,35 @@ def test_a_weight_swapped_in_when_the_module_runs_is_adapted():
     want = torch.nn.functional.linear(x, full, layer.bias) + 0.5 * (x @ lora.A.T) @ lora.B.T
     torch.testing.assert_close(got, want)
     assert layer.weight.numel() == 0  # resharded after the call, as FSDP2 leaves it
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_more_architectures_vmap_stateful_and_files(name, tmp_path):
+    """vmap over a stack equals one call per adapter; the stateful layer equals functional_call;
+    fastaf's files load in PEFT and PEFT's in fastaf with the same logits."""
+    make_model, targets, inputs = ARCHS[name]
+    base = make_model()
+    ads = [random_adapter(base, targets, r=4, alpha=8.0, seed=s) for s in range(2)]
+    batch = {k: v for k, v in inputs().items() if k != "labels" or name == "t5"}  # t5 decodes from labels
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        stacked = torch.func.vmap(lambda a: fa.functional_call(base, a, (), batch).logits)(fa.stack(ads))
+        each = [fa.functional_call(base, a, (), batch).logits for a in ads]
+    for i, want in enumerate(each):
+        assert rel_err(stacked[i], want) < RTOL, f"adapter {i}"
+
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", ads[0])
+    model.set_active_adapter("a")
+    with torch.no_grad():
+        assert rel_err(model(**batch).logits, each[0]) < RTOL
+
+    fa.save_adapter(ads[0], tmp_path / "fa", config=fa.LoRAConfig(r=4, alpha=8.0, targets=targets))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-style Conv1D notes
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "fa")).eval()
+    with torch.no_grad():
+        assert rel_err(pm(**batch).logits, each[0]) < RTOL
+    pm.save_pretrained(str(tmp_path / "peft"))
+    with torch.no_grad():
+        assert rel_err(fa.functional_call(base, fa.read_adapter(tmp_path / "peft"), (), batch).logits, each[0]) < RTOL
