@@ -212,6 +212,11 @@ class Adapter(Mapping[str, LoRA]):
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("fastaf.Adapter is immutable; build a new one")
 
+    def __reduce__(self) -> tuple:
+        # pickle, torch.save and copy.deepcopy rebuild through __init__ (and its checks): the
+        # default restore of __slots__ would go through the __setattr__ above
+        return (Adapter, (self._loras,))
+
     def __getitem__(self, path: str) -> LoRA:
         try:
             return self._loras[path]

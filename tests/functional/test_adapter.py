@@ -45,6 +45,19 @@ def test_grad_over_adapter_returns_adapter():
     torch.testing.assert_close(g["l0"].A, 2 * B.T @ (B @ A))
 
 
+def test_pickle_torch_save_and_deepcopy_round_trip(tmp_path):
+    import copy
+    import pickle
+
+    ad = adapter(0)
+    torch.save(ad, tmp_path / "ad.pt")
+    for back in (pickle.loads(pickle.dumps(ad)), copy.deepcopy(ad), torch.load(tmp_path / "ad.pt", weights_only=False)):
+        assert isinstance(back, fa.Adapter) and list(back) == list(ad)
+        for p in ad:
+            assert torch.equal(back[p].A, ad[p].A) and back[p].scale == ad[p].scale
+            assert back[p].A is not ad[p].A
+
+
 def test_immutable():
     ad = adapter()
     with pytest.raises(AttributeError):
