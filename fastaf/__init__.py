@@ -4,7 +4,7 @@ Adapters are immutable pytrees passed explicitly into ``functional_call``; the m
 rewritten. The stateful layer (``init`` and the ``model.add_new_adapter`` family) and the file
 I/O (PEFT's layout) sit on top of the functional core.
 """
-from . import functional
+from . import distributed, functional
 from ._io import read_adapter, save_adapter
 from ._stateful import init, load_adapter, push_adapter_to_hub, save_adapter_to_local_dir
 from .functional import (
@@ -26,6 +26,7 @@ __all__ = [
     "Adapter",
     "LoRA",
     "LoRAConfig",
+    "distributed",
     "extract_adapter",
     "functional",
     "functional_call",

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 from torch import nn
 
-from . import _atomic
+from . import _atomic, distributed
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode
 from .functional._modules import selects
 
@@ -223,12 +223,16 @@ def save_adapter(
         name: kept in the weights file's metadata; ``fastaf.load_adapter`` registers the
             adapter under it.
     Returns:
-        The directory.
+        The directory. Under ``torch.distributed`` only rank 0 writes (every rank checks the
+        adapter); other ranks that read the files next wait for it with a barrier.
     """
     dropout = _check_savable(adapter, config)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"save_adapter: name must be a str, got {type(name).__name__}")
     peft_config = _peft_config(adapter, config, dropout)
+    directory = Path(directory)
+    if not distributed.is_writer():
+        return directory
     tensors = {}
     for path, lora in adapter.items():
         # copy=True: safetensors refuses tensors sharing storage (views from fastaf.unstack).
@@ -236,7 +240,6 @@ def save_adapter(
         tensors[f"{_PREFIX}{path}.lora_B.weight"] = lora.B.detach().to("cpu", copy=True).contiguous()
     metadata = {"format": "pt", **({_NAME_KEY: name} if name is not None else {})}
     config_text = json.dumps(peft_config, indent=2, sort_keys=True) + "\n"
-    directory = Path(directory)
     _atomic.replace_files(directory, {
         WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata=metadata),
         CONFIG_NAME: lambda path: path.write_text(config_text),

@@ -146,6 +146,11 @@ def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
     )
 
 
+def _is_dtensor(t: Any) -> bool:
+    # by name: torch.distributed.tensor may not be imported (or built), and this runs while tracing
+    return type(t).__name__ == "DTensor"
+
+
 def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor]) -> dict[int, _Route]:
     """Validate every path of ``adapter`` against ``model`` and map weight ids to routes."""
     modules = dict(model.named_modules())
@@ -163,6 +168,13 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor]) ->
         if spec is None:
             raise ValueError(f"adapter path {path!r} is a {type(module).__name__}, not a linear layer")
         weight = params.get(f"{path}.weight", module.weight)
+        if not check and _is_dtensor(weight):
+            # compiled, one mode keys the weights at the call's start; FSDP2 swaps in the
+            # unsharded weight later, which that mode would miss without a word
+            raise NotImplementedError(
+                f"{path}: its weight is a sharded DTensor (FSDP2); torch.compile over "
+                "fastaf.functional_call does not follow FSDP2's unsharding yet: call it eagerly"
+            )
         if check:
             if lora.stacked:
                 raise ValueError(

@@ -1,0 +1,89 @@
+"""Adapters on several processes: torch.distributed calls for values that live outside the model.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards the frozen base; the adapter is replicated
+on every rank and passed to ``fastaf.functional_call`` as usual: the call reads each weight when
+its module runs, so it meets FSDP2's unsharded weight. DDP's wrapper does not serve here (it
+cannot run ``torch.autograd.grad`` / ``torch.func.grad``, and the adapter is not in the model),
+so the adapter's gradients are averaged explicitly with ``all_reduce_grads``::
+
+    adapter = fa.distributed.broadcast_adapter(fa.init_adapter(model, cfg, seed=0))
+    grads, loss = torch.func.grad_and_value(loss_fn)(adapter, local_batch)
+    grads = fa.distributed.all_reduce_grads(grads)     # the mean over ranks, every rank
+
+Nothing here communicates on its own schedule: each function is one or a few collectives that
+every rank of ``group`` must call, in the same order.
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+T = TypeVar("T")
+
+
+def _buckets(leaves: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[int]]:
+    """Leaf indices grouped by (dtype, device): one flat buffer, one collective per group."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(leaves):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return groups
+
+
+def _flat_leaves(tree: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+    leaves, spec = pytree.tree_flatten(tree)
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fastaf.distributed.{what}: leaf {i} is a {type(t).__name__}, not a tensor")
+    return leaves, spec
+
+
+def _check_group(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"fastaf.distributed.{what}: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group, or launch with torchrun)")
+
+
+def all_reduce_grads(grads: T, *, group: dist.ProcessGroup | None = None) -> T:
+    """The mean of ``grads`` over the ranks of ``group``, as new tensors of the same structure.
+
+    Args:
+        grads: an ``Adapter`` of gradients (what ``torch.func.grad`` returns) or any pytree of
+            tensors; the same structure, shapes and dtypes on every rank.
+        group: the process group (default: the world).
+    Returns:
+        A tree like ``grads``; ``grads`` itself is left unchanged.
+    """
+    _check_group("all_reduce_grads")
+    leaves, spec = _flat_leaves(grads, "all_reduce_grads")
+    world = dist.get_world_size(group)
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for indices in _buckets(leaves).values():
+        parts = [leaves[i].detach() for i in indices]
+        flat = torch.cat([p.reshape(-1) for p in parts])  # a copy: the caller's tensors stay as they were
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        flat /= world
+        for i, piece in zip(indices, flat.split([p.numel() for p in parts])):
+            out[i] = piece.view_as(leaves[i])
+    return pytree.tree_unflatten(out, spec)
+
+
+def broadcast_adapter(adapter: T, *, src: int = 0, group: dist.ProcessGroup | None = None) -> T:
+    """``adapter`` with every tensor replaced by rank ``src``'s values (new tensors), so training
+    starts from one adapter on every rank whatever each rank's seed or initialisation."""
+    _check_group("broadcast_adapter")
+    leaves, spec = _flat_leaves(adapter, "broadcast_adapter")
+    out = [t.detach().clone() for t in leaves]
+    for indices in _buckets(out).values():
+        flat = torch.cat([out[i].reshape(-1) for i in indices])
+        dist.broadcast(flat, src=src, group=group)
+        for i, piece in zip(indices, flat.split([out[i].numel() for i in indices])):
+            out[i] = piece.view_as(leaves[i])
+    return pytree.tree_unflatten(out, spec)
+
+
+def is_writer() -> bool:
+    """True where files should be written: no process group, or rank 0 of the world."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -1,0 +1,118 @@
+"""Two processes on gloo: FSDP2 and data-parallel steps with the adapter outside the model match a
+single process training on the global batch; only rank 0 writes files, every rank reads them.
+
+One spawn runs every case (each process start imports torch and transformers: seconds on CI).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+
+import fastaf as fa
+from tests._models import random_adapter, tiny_llama, token_batch
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+WORLD, STEPS = 2, 4
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+
+
+def _batches():
+    """The global batch of each step: 4 sequences, split by rank as ids[rank::WORLD]."""
+    return [token_batch(4, 12, seed=s) for s in range(STEPS)]
+
+
+def _loss(model, adapter, ids):
+    return fa.functional_call(model, adapter, (ids,), {"labels": ids}).loss
+
+
+def _train(model, adapter, batches, grad_of, reduce=lambda g: g):
+    """AdamW over the adapter's leaves for each batch; returns the final adapter."""
+    leaves, spec = pytree.tree_flatten(adapter)
+    leaves = [t.detach().clone() for t in leaves]
+    opt = torch.optim.AdamW(leaves, lr=1e-2)
+    for ids in batches:
+        grads = reduce(grad_of(model, pytree.tree_unflatten(leaves, spec), ids))
+        for p, g in zip(leaves, pytree.tree_leaves(grads)):
+            p.grad = g
+        opt.step()
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _func_grad(model, adapter, ids):
+    return torch.func.grad(lambda a: _loss(model, a, ids))(adapter)
+
+
+def _autograd_grad(model, adapter, ids):
+    leaves, spec = pytree.tree_flatten(adapter)
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    grads = torch.autograd.grad(_loss(model, pytree.tree_unflatten(leaves, spec), ids), leaves)
+    return pytree.tree_unflatten(list(grads), spec)
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    local = [ids[rank::WORLD] for ids in _batches()]
+    # every rank starts from rank 0's adapter, whatever its own seed
+    adapter = fa.distributed.broadcast_adapter(random_adapter(tiny_llama(), TARGETS, seed=10 + rank))
+    results["start"] = adapter
+    reduce = fa.distributed.all_reduce_grads
+    results["ddp-func"] = _train(tiny_llama(), adapter, local, _func_grad, reduce)
+    sharded = tiny_llama()
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
+    results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
+    # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
+    fa.save_adapter(results["fsdp2-func"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
+    dist.barrier()
+    results["read"] = fa.read_adapter(folder)
+    torch.save(results, os.path.join(folder, f"results{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_close(a: fa.Adapter, b: fa.Adapter, what: str) -> None:
+    assert set(a) == set(b), what
+    for path in a:  # by path: read_adapter orders paths naturally, not in model order
+        torch.testing.assert_close(a[path].A, b[path].A, rtol=1e-5, atol=1e-6, msg=f"{what}: {path}")
+        torch.testing.assert_close(a[path].B, b[path].B, rtol=1e-5, atol=1e-6, msg=f"{what}: {path}")
+        assert a[path].scale == b[path].scale, what
+
+
+def test_fsdp2_and_data_parallel_match_one_process(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
+    torch.set_num_threads(1)
+    start = random_adapter(tiny_llama(), TARGETS, seed=10)
+    _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
+    reference = _train(tiny_llama(), start, _batches(), _func_grad)  # one process, global batch
+    for case in ("ddp-func", "fsdp2-func", "fsdp2-autograd"):
+        for r in range(WORLD):
+            _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
+    for r in range(WORLD):  # only rank 0 wrote; both read its adapter
+        _assert_close(ranks[r]["read"], ranks[0]["fsdp2-func"], f"rank {r} read rank 0's file")
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("results")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_helpers_refuse_without_a_process_group():
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        fa.distributed.all_reduce_grads([torch.ones(2)])
+    assert fa.distributed.is_writer()
