@@ -385,7 +385,8 @@ def _split_key(key: str, file: Path) -> tuple[str, str]:
 def _pair_factors(tensors: Mapping[str, torch.Tensor], file: Path) -> dict[str, dict[str, torch.Tensor]]:
     """{path: {"A": tensor, "B": tensor}}, with both factors present for every path."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    for key in sorted(tensors):  # sorted: the first bad key named is the same on every run
+        tensor = tensors[key]
         path, factor = _split_key(key, file)
         pairs.setdefault(path, {})[factor] = tensor
     for path, pair in pairs.items():
