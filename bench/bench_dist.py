@@ -12,7 +12,8 @@ Each step: ``torch.func.grad_and_value`` over ``fa.functional_call`` on the rank
 Parity: ``--parity-steps`` steps on a fixed global batch (``--global-batch`` sequences split over
 the ranks) from seed 0; rank 0 saves the adapter to ``--parity-dir/<model>-<engine>-<gpus>.pt``
 and reports ``parity_rel_diff`` (||delta|| / ||A|| over all factors) against the 1-GPU fsdp2
-adapter of that model when it is there. Throughput: then ``--timed-steps`` steps at
+(else single) adapter of that model when it is there. ``--grad autograd`` differentiates with
+``torch.autograd.grad`` on the adapter's leaves instead of ``torch.func``. Throughput: then ``--timed-steps`` steps at
 ``--batch`` sequences per GPU, tokens/s over all GPUs. Rows go to bench/results/dist-<gpu>.json
 (appended: each launch adds its rows).
 """
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--parity-steps", type=int, default=20)
     ap.add_argument("--timed-steps", type=int, default=10)
     ap.add_argument("--parity-dir", default="/tmp/fastaf-parity")
+    ap.add_argument("--grad", choices=["func", "autograd"], default="func",
+                    help="torch.func.grad_and_value, or loss.backward() on the adapter's leaves")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -100,8 +103,14 @@ def main() -> None:
     leaves, spec = pytree.tree_flatten(adapter)
     opt = torch.optim.AdamW(leaves, lr=1e-4, fused=cuda)
     vocab = model.config.vocab_size
-    step_fn = torch.func.grad_and_value(
-        lambda ad, ids: fa.functional_call(model, ad, (ids,), {"labels": ids}).loss)
+    loss_of = lambda ad, ids: fa.functional_call(model, ad, (ids,), {"labels": ids}).loss  # noqa: E731
+
+    def autograd_step(ad: fa.Adapter, ids: torch.Tensor) -> tuple:
+        flat = [t.detach().requires_grad_() for t in pytree.tree_leaves(ad)]
+        loss = loss_of(pytree.tree_unflatten(flat, spec), ids)
+        return pytree.tree_unflatten(list(torch.autograd.grad(loss, flat)), spec), loss.detach()
+
+    step_fn = torch.func.grad_and_value(loss_of) if args.grad == "func" else autograd_step
 
     def train_step(ids: torch.Tensor) -> torch.Tensor:
         grads, loss = step_fn(pytree.tree_unflatten(leaves, spec), ids)
@@ -122,8 +131,10 @@ def main() -> None:
     if rank == 0:
         Path(args.parity_dir).mkdir(parents=True, exist_ok=True)
         torch.save(final, Path(args.parity_dir) / f"{args.model}-{args.engine}-{world}.pt")
-        ref = Path(args.parity_dir) / f"{args.model}-fsdp2-1.pt"
-        if ref.exists():
+        # against the first 1-GPU adapter of this model (fsdp2, else single)
+        refs = [Path(args.parity_dir) / f"{args.model}-{e}-1.pt" for e in ("fsdp2", "single")]
+        ref = next((r for r in refs if r.exists()), None)
+        if ref is not None:
             parity = rel_diff(final, torch.load(ref, weights_only=False))
         print(f"parity: {args.parity_steps} steps, last loss {float(loss):.4f}, rel diff {parity}", flush=True)
 
@@ -146,7 +157,7 @@ def main() -> None:
     mems = [None] * world
     dist.all_gather_object(mems, mem)
     if rank == 0:
-        row = {"bench": "dist", "engine": args.engine, "gpus": world, "model": args.model,
+        row = {"bench": "dist", "engine": args.engine, "gpus": world, "model": args.model, "grad": args.grad,
                "tokens_per_s": round(world * args.batch * args.seq / seconds, 1), "step_ms": round(seconds * 1e3, 2),
                "max_mem_gib": round(max(mems), 2), "parity_rel_diff": parity, "batch_per_gpu": args.batch,
                "seq": args.seq, "parity_steps": args.parity_steps, "global_batch": args.global_batch}

@@ -2,12 +2,16 @@
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards the frozen base; the adapter is replicated
 on every rank and passed to ``fastaf.functional_call`` as usual: the call reads each weight when
-its module runs, so it meets FSDP2's unsharded weight. DDP's wrapper does not serve here (it
-cannot run ``torch.autograd.grad`` / ``torch.func.grad``, and the adapter is not in the model),
-so the adapter's gradients are averaged explicitly with ``all_reduce_grads``::
+its module runs, so it meets FSDP2's unsharded weight. Differentiate with autograd there
+(``torch.autograd.grad`` on the adapter's leaves): FSDP2's own hooks do not run under
+``torch.func`` on CUDA (its all-gather copies into captured tensors and its post-backward hook
+is an old-style ``autograd.Function``; torch 2.11), which ``functional_call`` reports. Without
+sharding (data parallel), ``torch.func.grad`` works. DDP's wrapper does not serve here (it
+cannot run ``torch.autograd.grad``, and the adapter is not in the model), so the adapter's
+gradients are averaged explicitly with ``all_reduce_grads``::
 
     adapter = fa.distributed.broadcast_adapter(fa.init_adapter(model, cfg, seed=0))
-    grads, loss = torch.func.grad_and_value(loss_fn)(adapter, local_batch)
+    grads, loss = torch.func.grad_and_value(loss_fn)(adapter, local_batch)   # data parallel
     grads = fa.distributed.all_reduce_grads(grads)     # the mean over ranks, every rank
 
 Nothing here communicates on its own schedule: each function is one or a few collectives that

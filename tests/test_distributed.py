@@ -1,5 +1,6 @@
-"""Two processes on gloo: FSDP2 and data-parallel steps with the adapter outside the model match a
-single process training on the global batch; only rank 0 writes files, every rank reads them.
+"""Two processes on gloo: FSDP2 (autograd) and data-parallel (torch.func) steps with the adapter
+outside the model match a single process training on the global batch; torch.func over FSDP2
+modules is a clear error; only rank 0 writes files, every rank reads them.
 
 One spawn runs every case (each process start imports torch and transformers: seconds on CI).
 """
@@ -72,10 +73,13 @@ def _worker(rank: int, port: int, folder: str) -> None:
     for layer in sharded.model.layers:
         fully_shard(layer)
     fully_shard(sharded)
-    results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
     results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
+    try:  # FSDP2's hooks are not functorch-compatible on CUDA: refused before anything runs
+        _func_grad(sharded, adapter, local[0])
+    except NotImplementedError as err:
+        results["fsdp2-func-error"] = str(err)
     # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
-    fa.save_adapter(results["fsdp2-func"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
+    fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
     results["read"] = fa.read_adapter(folder)
     torch.save(results, os.path.join(folder, f"results{rank}.pt"))
@@ -103,11 +107,12 @@ def test_fsdp2_and_data_parallel_match_one_process(tmp_path):
     start = random_adapter(tiny_llama(), TARGETS, seed=10)
     _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
     reference = _train(tiny_llama(), start, _batches(), _func_grad)  # one process, global batch
-    for case in ("ddp-func", "fsdp2-func", "fsdp2-autograd"):
+    for case in ("ddp-func", "fsdp2-autograd"):
         for r in range(WORLD):
             _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
-    for r in range(WORLD):  # only rank 0 wrote; both read its adapter
-        _assert_close(ranks[r]["read"], ranks[0]["fsdp2-func"], f"rank {r} read rank 0's file")
+    for r in range(WORLD):
+        assert "FSDP2" in ranks[r]["fsdp2-func-error"] and "autograd" in ranks[r]["fsdp2-func-error"]
+        _assert_close(ranks[r]["read"], ranks[0]["fsdp2-autograd"], f"rank {r} read rank 0's file")  # rank 0 wrote
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("results")) == [
         "adapter_config.json", "adapter_model.safetensors"]
 

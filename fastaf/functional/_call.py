@@ -146,6 +146,11 @@ def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
     )
 
 
+def _fsdp2_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` reached ``model`` (it gives each sharded module an FSDP class)."""
+    return any(c.__name__ == "FSDPModule" for m in model.modules() for c in type(m).__mro__)
+
+
 def _is_dtensor(t: Any) -> bool:
     # by name: torch.distributed.tensor may not be imported (or built), and this runs while tracing
     return type(t).__name__ == "DTensor"
@@ -361,7 +366,15 @@ def functional_call(
     if adapter is None or len(adapter) == 0:
         return run()
     mode = adapter_mode(model, adapter, params=params, impl=impl)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling and torch._C._functorch.get_interpreter_stack() and _fsdp2_sharded(model):
+        raise NotImplementedError(
+            f"fastaf.functional_call: {type(model).__name__} holds FSDP2 (fully_shard) modules, whose hooks "
+            "do not run under torch.func transforms on CUDA (an all-gather copying into captured tensors, "
+            "an old-style autograd.Function; torch 2.11): differentiate with autograd instead, "
+            "torch.autograd.grad(loss, adapter leaves)"
+        )
+    if compiling:
         with mode:  # tracers see one mode over the call (no hooks to register inside a graph)
             return run()
     with _ModuleScope(mode.routes, impl):
