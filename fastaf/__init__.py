@@ -5,6 +5,7 @@ rewritten. The stateful layer (``init`` and the ``model.add_new_adapter`` family
 I/O (PEFT's layout) sit on top of the functional core.
 """
 from . import distributed, functional
+from ._generate import generate
 from ._io import read_adapter, save_adapter
 from ._stateful import init, load_adapter, push_adapter_to_hub, save_adapter_to_local_dir
 from .functional import (
@@ -30,6 +31,7 @@ __all__ = [
     "extract_adapter",
     "functional",
     "functional_call",
+    "generate",
     "init",
     "init_adapter",
     "load_adapter",

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ._adapter import Adapter, LoRA
 from ._lora_linear import lora_linear
 from ._modules import LinearSpec, linear_spec
+from ._multi import expand_ids, lora_linear_multi
 
 
 @dataclasses.dataclass
@@ -61,11 +62,13 @@ def _swaps(args: tuple, kwargs: dict) -> bool:
 class _LoRAMode(TorchFunctionMode):
     """Sends the targeted weights' linear calls through ``lora_linear``."""
 
-    def __init__(self, routes: dict[int, _Route], impl: str, *, explicit: bool = True) -> None:
+    def __init__(self, routes: dict[int, _Route], impl: str, *, explicit: bool = True,
+                 ids: Tensor | None = None) -> None:
         super().__init__()
         self.routes = routes
         self.impl = impl
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
+        self.ids = ids  # adapter_ids: the LoRAs are stacked and example i uses slot ids[i]
         # transposed views of routed weights made during the call: id -> (route, view); the view
         # is held so its id is not reused
         self.views: dict[int, tuple[_Route, Tensor]] = {}
@@ -126,6 +129,9 @@ class _LoRAMode(TorchFunctionMode):
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         route.hits += 1
+        if self.ids is not None:
+            ids = expand_ids(self.ids, x.shape[0], route.path)
+            return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training)
         return lora_linear(
             x, weight, bias, route.lora, impl=self.impl, training=route.module.training, where=route.path
         )
@@ -156,8 +162,12 @@ def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor]) -> dict[int, _Route]:
-    """Validate every path of ``adapter`` against ``model`` and map weight ids to routes."""
+def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
+            stacked: bool = False) -> dict[int, _Route]:
+    """Validate every path of ``adapter`` against ``model`` and map weight ids to routes.
+
+    ``stacked``: the call has ``adapter_ids``, so every LoRA must carry the stack axis.
+    """
     modules = dict(model.named_modules())
     check = not torch.compiler.is_compiling()
     routes: dict[int, _Route] = {}
@@ -181,10 +191,12 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor]) ->
                 "fastaf.functional_call does not follow FSDP2's unsharding yet: call it eagerly"
             )
         if check:
-            if lora.stacked:
+            if lora.stacked != stacked:
                 raise ValueError(
-                    f"{path}: stacked LoRA A {tuple(lora.A.shape)}; call functional_call inside "
-                    "torch.func.vmap over the stack"
+                    f"{path}: stacked LoRA A {tuple(lora.A.shape)} without adapter_ids: pass "
+                    "adapter_ids=, or call functional_call inside torch.func.vmap over the stack"
+                    if lora.stacked else
+                    f"{path}: adapter_ids needs a stacked adapter (fastaf.stack), got A {tuple(lora.A.shape)}"
                 )
             if (lora.in_features, lora.out_features) != (spec.in_features, spec.out_features):
                 raise ValueError(
@@ -216,14 +228,17 @@ def adapter_mode(
     *,
     params: Mapping[str, Tensor] | None = None,
     impl: str = "auto",
+    adapter_ids: Tensor | None = None,
 ) -> _LoRAMode:
     """A context manager under which ``model``'s targeted layers run with ``adapter``.
 
     The building block of ``functional_call`` and of the stateful layer (``fastaf.init``).
     Validates every path first (errors name the path and shapes) and changes nothing.
-    ``params`` names the tensors that will stand in for the model's own during the call.
+    ``params`` names the tensors that will stand in for the model's own during the call;
+    ``adapter_ids`` (checked by the caller) selects a stack slot per example.
     """
-    return _LoRAMode(_routes(model, adapter, dict(params or {})), impl)
+    routes = _routes(model, adapter, dict(params or {}), stacked=adapter_ids is not None)
+    return _LoRAMode(routes, impl, ids=adapter_ids)
 
 
 def module_mode(path: str, module: nn.Module, lora: LoRA, *, impl: str = "auto") -> _LoRAMode:
@@ -252,9 +267,10 @@ class _ModuleScope:
     on one model and nested calls stay apart. The hooks are removed on exit, also on error.
     """
 
-    def __init__(self, routes: dict[int, _Route], impl: str) -> None:
+    def __init__(self, routes: dict[int, _Route], impl: str, ids: Tensor | None = None) -> None:
         self.routes = list(routes.values())
         self.impl = impl
+        self.ids = ids
         self.handles: list[Any] = []
         self.open: list[_LoRAMode | None] = []
 
@@ -287,7 +303,7 @@ class _ModuleScope:
         if scopes and scopes[-1] is self:
             route.calls += 1
             route.weight = module.weight
-            mode = _LoRAMode({id(route.weight): route}, self.impl)
+            mode = _LoRAMode({id(route.weight): route}, self.impl, ids=self.ids)
             mode.__enter__()
         self.open.append(mode)
 
@@ -298,7 +314,7 @@ class _ModuleScope:
 
     def whole_call_mode(self) -> _LoRAMode:
         """One mode over every route, for re-running a layer after the call (checkpointing)."""
-        return _LoRAMode({id(r.weight): r for r in self.routes}, self.impl)
+        return _LoRAMode({id(r.weight): r for r in self.routes}, self.impl, ids=self.ids)
 
 
 def explicit_mode_active() -> bool:
@@ -336,6 +352,7 @@ def functional_call(
     kwargs: dict[str, Any] | None = None,
     *,
     params: Mapping[str, Tensor] | None = None,
+    adapter_ids: Tensor | None = None,
     impl: str = "auto",
 ) -> Any:
     """Call ``model(*args, **kwargs)`` with ``adapter`` applied to its targeted linear layers.
@@ -348,6 +365,8 @@ def functional_call(
         kwargs: keyword arguments.
         params: name -> tensor replacing the model's parameters/buffers for this call, as in
             ``torch.func.functional_call``.
+        adapter_ids: (batch,) integer tensor with a stacked ``adapter`` (``fastaf.stack``):
+            example i uses slot ``adapter_ids[i]``, -1 the base model alone.
         impl: kernel choice for every adapted layer ("auto", "triton", "torch").
     Returns:
         Whatever the model returns.
@@ -355,18 +374,37 @@ def functional_call(
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = kwargs or {}
+    if params:
+        return scoped_call(model, adapter, lambda: torch.func.functional_call(model, dict(params), args, kwargs),
+                           params=params, adapter_ids=adapter_ids, impl=impl, inputs=(args, kwargs))
+    return scoped_call(model, adapter, lambda: model(*args, **kwargs), adapter_ids=adapter_ids, impl=impl,
+                       inputs=(args, kwargs))
+
+
+def scoped_call(
+    model: nn.Module,
+    adapter: Adapter | Sequence[Adapter] | None,
+    run: Any,
+    *,
+    params: Mapping[str, Tensor] | None = None,
+    adapter_ids: Tensor | None = None,
+    impl: str = "auto",
+    inputs: Any = (),
+) -> Any:
+    """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
+    machinery, for callers that run the model another way (``fastaf.generate``).
+
+    ``inputs`` (args and kwargs of the run) give the batch size ``adapter_ids`` is checked against.
+    """
     adapter = _combine(adapter)
-    params = dict(params) if params else {}
-
-    def run() -> Any:
-        if params:
-            return torch.func.functional_call(model, params, args, kwargs)
-        return model(*args, **kwargs)
-
     if adapter is None or len(adapter) == 0:
+        if adapter_ids is not None:
+            raise ValueError("fastaf: adapter_ids was given without an adapter (a stacked one, from fastaf.stack)")
         return run()
-    mode = adapter_mode(model, adapter, params=params, impl=impl)
     compiling = torch.compiler.is_compiling()
+    if adapter_ids is not None and not compiling:
+        _check_ids(adapter_ids, adapter, inputs)
+    mode = adapter_mode(model, adapter, params=params, impl=impl, adapter_ids=adapter_ids)
     if not compiling and torch._C._functorch.get_interpreter_stack() and _fsdp2_sharded(model):
         raise NotImplementedError(
             f"fastaf.functional_call: {type(model).__name__} holds FSDP2 (fully_shard) modules, whose hooks "
@@ -377,10 +415,38 @@ def functional_call(
     if compiling:
         with mode:  # tracers see one mode over the call (no hooks to register inside a graph)
             return run()
-    with _ModuleScope(mode.routes, impl):
+    with _ModuleScope(mode.routes, impl, ids=adapter_ids):
         out = run()
     _check_applied(mode.routes.values())
     return out
+
+
+def _batch_size(inputs: Any) -> int | None:
+    """The leading size of the first tensor among the call's inputs (input_ids, pixel_values, ...)."""
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    return next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
+
+
+def _check_ids(ids: Any, adapter: Adapter, inputs: Any) -> None:
+    """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fastaf: adapter_ids must be a 1-D int32/int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    devices = {l.A.device for l in adapter.values()}
+    if ids.device not in devices:
+        raise ValueError(f"fastaf: adapter_ids is on {ids.device} but the adapter is on {sorted(map(str, devices))}")
+    n = {l.A.shape[0] for l in adapter.values() if l.stacked}
+    if len(n) > 1:
+        raise ValueError(f"fastaf: the stacked adapter's paths disagree on the stack size: {sorted(n)}")
+    batch = _batch_size(inputs)
+    if batch is not None and ids.shape[0] != batch:
+        raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {batch} examples")
+    if n and ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= next(iter(n)):
+            raise ValueError(f"fastaf: adapter_ids must lie in [-1, {next(iter(n))}) for a stack of "
+                             f"{next(iter(n))} adapters, got values from {lo} to {hi}")
 
 
 def _check_applied(routes: Any) -> None:

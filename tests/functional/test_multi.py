@@ -1,0 +1,100 @@
+"""Per-example adapters (``adapter_ids``) and ``fastaf.generate``, against one call per adapter."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fastaf as fa
+from tests._models import MODELS, random_adapter, tiny_llama, token_batch
+from tests._tolerances import rel_err
+
+IDS = torch.tensor([2, -1, 0, 1, 2])  # 5 examples over a stack of 3; -1 is the base model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stack(model, targets, n=3):
+    ads = [random_adapter(model, targets, r=2 + i, alpha=4.0 + i, seed=i) for i in range(n)]  # ranks, scales differ
+    return ads, fa.stack(ads)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "falcon"])
+def test_each_example_gets_its_own_adapter(name):
+    make, targets = MODELS[name]
+    model = make()
+    ads, stack = _stack(model, targets)
+    ids = token_batch(batch=len(IDS))
+    with torch.no_grad():
+        mixed = fa.functional_call(model, stack, (ids,), adapter_ids=IDS).logits
+        for row, k in enumerate(IDS.tolist()):
+            alone = fa.functional_call(model, ads[k] if k >= 0 else None, (ids[row:row + 1],)).logits
+            assert rel_err(mixed[row:row + 1], alone) < 1e-5, f"row {row} (adapter {k})"
+
+
+def test_gradients_reach_each_adapter_from_its_own_examples_only():
+    model = tiny_llama()
+    targets = ["q_proj", "v_proj", "down_proj"]
+    ads, stack = _stack(model, targets)
+    ids = token_batch(batch=len(IDS))
+
+    def per_row_loss(logits):  # (rows, seq, vocab) -> (rows,): a sum of per-example losses
+        return logits.float().square().mean(dim=(1, 2))
+
+    grads = torch.func.grad(
+        lambda st: per_row_loss(fa.functional_call(model, st, (ids,), adapter_ids=IDS).logits).sum())(stack)
+    for k, ad in enumerate(ads):
+        rows = (IDS == k).nonzero().flatten()
+        want = torch.func.grad(lambda a: per_row_loss(fa.functional_call(model, a, (ids[rows],)).logits).sum())(ad)
+        for path, lora in want.items():
+            r = lora.A.shape[0]  # the stack zero-pads ranks: compare the slot's first r rows
+            assert rel_err(grads[path].A[k, :r], lora.A) < 1e-4, (k, path)
+            # the stack folds each slot's scale into its B: undo it for the comparison
+            fold = ad[path].scale / stack[path].scale
+            assert rel_err(grads[path].B[k, :, :r] * fold, lora.B) < 1e-4, (k, path)
+
+
+def test_bad_ids_and_stacks_are_errors_before_anything_runs():
+    model = tiny_llama()
+    ads, stack = _stack(model, ["q_proj"])
+    ids = token_batch(batch=2)
+    cases = [
+        (stack, torch.tensor([0, 3]), ValueError, r"in \[-1, 3\).*from 0 to 3"),
+        (stack, torch.tensor([0, -2]), ValueError, r"in \[-1, 3\)"),
+        (stack, torch.tensor([0, 1, 2]), ValueError, "3 entries for a batch of 2"),
+        (stack, torch.tensor([[0, 1]]), ValueError, "1-D int32/int64"),
+        (stack, torch.tensor([0.0, 1.0]), ValueError, "1-D int32/int64"),
+        (stack, [0, 1], TypeError, "must be a torch.Tensor"),
+        (stack, torch.tensor([0, 1], device="meta"), ValueError, "adapter_ids is on meta"),
+        (stack, None, ValueError, "stacked LoRA .* without adapter_ids"),
+        (ads[0], torch.tensor([0, 1]), ValueError, "adapter_ids needs a stacked adapter"),
+        (None, torch.tensor([0, 1]), ValueError, "adapter_ids was given without an adapter"),
+    ]
+    for adapter, adapter_ids, error, match in cases:
+        with pytest.raises(error, match=match):
+            fa.functional_call(model, adapter, (ids,), adapter_ids=adapter_ids)
+
+
+def test_generate_decodes_each_row_with_its_adapter_and_leaves_the_model():
+    model = tiny_llama()
+    ads, stack = _stack(model, ["q_proj", "v_proj"])
+    ads = [20.0 * a for a in ads]  # far from the base, so a wrong adapter changes the tokens
+    stack = fa.stack(ads)
+    prompts = token_batch(batch=len(IDS), seq=6)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompts))
+    before = copy.deepcopy(model.state_dict())
+    mixed = fa.generate(model, stack, prompts, adapter_ids=IDS, **kw)
+    for row, k in enumerate(IDS.tolist()):
+        one = dict(kw, attention_mask=kw["attention_mask"][row:row + 1])
+        alone = fa.generate(model, ads[k] if k >= 0 else None, prompts[row:row + 1], **one)
+        assert torch.equal(mixed[row:row + 1], alone), f"row {row} (adapter {k})"
+    assert not torch.equal(mixed[0], mixed[1])
+    assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
