@@ -5,11 +5,11 @@ layer into ``lora_linear``, so the base GEMM and the LoRA term run as one fused 
 ``F.linear(x, W, b)`` (``nn.Linear``), ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``) and
 ``x @ W.T`` (Falcon's ``FalconLinear``; any transpose of W, ``@`` / ``matmul``).
 
-Eagerly, the mode is entered by hooks around each targeted module's forward only
-(``_ModuleScope``): other ops are never intercepted, and the weight is read when the module runs
-(FSDP2 swaps in its unsharded weight then). The hooks are removed when the call returns or
-raises, so the model is left as it was. Under ``torch.compile`` one mode spans the call instead:
-tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
+The mode spans the call, so a weight is adapted wherever it is used, inside its module or not.
+Eagerly, per-call pre-hooks on the targeted modules (``_WeightWatch``) count their calls and
+follow a weight swapped in when its module runs (FSDP2's unsharded weight); they are removed when
+the call returns or raises, so the model is left as it was. Under ``torch.compile`` the mode runs
+alone: tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
 without its weight meeting a rule is an error after the call, never a silently unadapted output.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ._adapter import Adapter, LoRA
 from ._lora_linear import lora_linear
 from ._modules import LinearSpec, linear_spec
-from ._multi import expand_ids, lora_linear_multi
+from ._multi import check_rows, lora_linear_multi
 
 
 @dataclasses.dataclass
@@ -124,13 +124,15 @@ class _LoRAMode(TorchFunctionMode):
                     bias = args[0] if args else kwargs["input"]
                     x = args[1] if len(args) > 1 else kwargs["mat1"]
                     # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
-                    return self._apply(route, x, route.weight.t(), bias)
+                    return self._apply(route, x, route.weight.t(), bias, flattened=True)
         return func(*args, **kwargs)
 
-    def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
+               flattened: bool = False) -> Tensor:
+        """``flattened``: x is Conv1D's batch-major (batch * seq, K) view, for ``adapter_ids``."""
         route.hits += 1
         if self.ids is not None:
-            ids = expand_ids(self.ids, x.shape[0], route.path)
+            ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training)
         return lora_linear(
             x, weight, bias, route.lora, impl=self.impl, training=route.module.training, where=route.path
@@ -251,37 +253,33 @@ def module_mode(path: str, module: nn.Module, lora: LoRA, *, impl: str = "auto")
 _local = threading.local()  # per thread: the eager functional_call scopes, innermost last
 
 
-def _scopes() -> list[_ModuleScope]:
+def _scopes() -> list[_WeightWatch]:
     if not hasattr(_local, "scopes"):
         _local.scopes = []
     return _local.scopes
 
 
-class _ModuleScope:
-    """An eager ``functional_call``'s interception: hooks on each targeted module that enter a mode
-    adapting that module's weight for the length of its forward.
+class _WeightWatch:
+    """Per-call pre-hooks on each targeted module, for an eager ``functional_call``'s mode.
 
-    Routes are resolved when the module runs, from the weight it holds then (FSDP2's unsharded
-    weight, a ``params`` stand-in), and ops outside the targeted modules are never intercepted.
-    A scope acts only as the innermost call of the thread running the module, so concurrent calls
-    on one model and nested calls stay apart. The hooks are removed on exit, also on error.
+    When a targeted module starts, its hook counts the call and, if the module now holds another
+    weight object than at the call's start (FSDP2 registers its unsharded weight in its own
+    pre-forward hook, which runs first), keys the mode's route by that weight too. The mode itself
+    spans the whole call, so a weight used outside its module (``nn.MultiheadAttention`` reads
+    ``out_proj.weight`` from the parent's forward) is still adapted, and leaving it with ``with``
+    is safe on any exception, interrupts included. A hook acts only for the innermost call of the
+    thread running the module, so concurrent and nested calls on one model stay apart. The hooks
+    are removed on exit.
     """
 
-    def __init__(self, routes: dict[int, _Route], impl: str, ids: Tensor | None = None) -> None:
-        self.routes = list(routes.values())
-        self.impl = impl
-        self.ids = ids
+    def __init__(self, mode: _LoRAMode) -> None:
+        self.mode = mode
         self.handles: list[Any] = []
-        self.open: list[_LoRAMode | None] = []
 
-    def __enter__(self) -> _ModuleScope:
+    def __enter__(self) -> _WeightWatch:
         try:
-            for route in self.routes:
-                module = route.module
-                self.handles.append(module.register_forward_pre_hook(functools.partial(self._enter, route)))
-                # prepend: leave before FSDP2's post-forward hook reshards the weight
-                self.handles.append(module.register_forward_hook(
-                    functools.partial(self._leave, route), prepend=True, always_call=True))
+            for route in self.mode.routes.values():
+                self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
         except BaseException:
             self._remove()
             raise
@@ -297,31 +295,24 @@ class _ModuleScope:
             handle.remove()
         self.handles.clear()
 
-    def _enter(self, route: _Route, module: nn.Module, args: Any) -> None:
-        mode = None
+    def _starts(self, route: _Route, module: nn.Module, args: Any) -> None:
         scopes = _scopes()
-        if scopes and scopes[-1] is self:
-            route.calls += 1
-            route.weight = module.weight
-            mode = _LoRAMode({id(route.weight): route}, self.impl, ids=self.ids)
-            mode.__enter__()
-        self.open.append(mode)
-
-    def _leave(self, route: _Route, module: nn.Module, args: Any, output: Any) -> None:
-        mode = self.open.pop() if self.open else None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-
-    def whole_call_mode(self) -> _LoRAMode:
-        """One mode over every route, for re-running a layer after the call (checkpointing)."""
-        return _LoRAMode({id(r.weight): r for r in self.routes}, self.impl, ids=self.ids)
+        if not scopes or scopes[-1] is not self:
+            return  # another thread's call, or an outer call of this thread
+        route.calls += 1
+        weight = module.weight
+        if weight is not route.weight:
+            route.weight = weight
+            self.mode.routes[id(weight)] = route
 
 
 def explicit_mode_active() -> bool:
     """True inside ``functional_call`` (or an ``adapter_mode``): its adapter stands in for others."""
-    if _scopes():
-        return True
-    return any(isinstance(m, _LoRAMode) and m.explicit for m in torch.overrides._get_current_function_mode_stack())
+    return any(isinstance(m, _LoRAMode) and m.explicit for m in _mode_stack())
+
+
+def _mode_stack() -> list:
+    return torch.overrides._get_current_function_mode_stack()
 
 
 def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -334,14 +325,10 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
 
-    It is called at forward time, captures the call's adapter, and re-enters it for the recompute.
+    It is called at forward time, captures the call's mode, and re-enters it for the recompute.
     (The stateful layer's hooks stay on the model and apply during recomputes by themselves.)
     """
-    from torch.overrides import _get_current_function_mode_stack
-
-    if _scopes():
-        return contextlib.nullcontext(), _scopes()[-1].whole_call_mode()
-    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _LoRAMode) and m.explicit]
+    modes = [m for m in _mode_stack() if isinstance(m, _LoRAMode) and m.explicit]
     return contextlib.nullcontext(), (modes[-1] if modes else contextlib.nullcontext())
 
 
@@ -413,9 +400,9 @@ def scoped_call(
             "torch.autograd.grad(loss, adapter leaves)"
         )
     if compiling:
-        with mode:  # tracers see one mode over the call (no hooks to register inside a graph)
+        with mode:  # tracers see the mode alone (no hooks to register inside a graph)
             return run()
-    with _ModuleScope(mode.routes, impl, ids=adapter_ids):
+    with mode, _WeightWatch(mode):
         out = run()
     _check_applied(mode.routes.values())
     return out

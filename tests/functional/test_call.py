@@ -372,3 +372,78 @@ def test_more_architectures_vmap_stateful_and_files(name, tmp_path):
     pm.save_pretrained(str(tmp_path / "peft"))
     with torch.no_grad():
         assert rel_err(fa.functional_call(base, fa.read_adapter(tmp_path / "peft"), (), batch).logits, each[0]) < RTOL
+
+
+class _Interrupting(torch.nn.Module):
+    """Raises KeyboardInterrupt from inside a targeted layer's forward (always-called hooks skip it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+        self.interrupt = False
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return y
+
+
+def test_an_interrupted_call_leaves_no_mode_and_the_model_plain():
+    model = _Interrupting()
+    ad = fa.Adapter({"proj": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2), 1.0)})
+    x = torch.randn(3, 6)
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        fa.functional_call(model, ad, (x,))
+    model.interrupt = False
+    assert torch._C._len_torch_function_stack() == 0
+    assert torch.equal(model(x), torch.nn.functional.linear(x, model.proj.weight, model.proj.bias))
+
+
+def test_plain_calls_beside_a_functional_call_in_another_thread_stay_plain():
+    import threading
+
+    base = tiny_llama()
+    ad = random_adapter(base, ["q_proj", "v_proj"])
+    ids = token_batch()
+    with torch.no_grad():
+        plain, adapted = base(ids).logits, fa.functional_call(base, ad, (ids,)).logits
+    seen, stop = [], threading.Event()
+
+    def plain_calls():
+        with torch.no_grad():
+            while not stop.is_set():
+                seen.append(torch.equal(base(ids).logits, plain))
+
+    t = threading.Thread(target=plain_calls)
+    t.start()
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(fa.functional_call(base, ad, (ids,)).logits, adapted)
+    stop.set()
+    t.join()
+    assert seen and all(seen)
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, plain)
+
+
+class _ParentUsesChildWeight(torch.nn.Module):
+    """As nn.MultiheadAttention does with out_proj: the parent reads the child's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.out_proj = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.out_proj.weight, self.out_proj.bias)
+
+
+def test_a_weight_used_outside_its_module_is_adapted():
+    model = _ParentUsesChildWeight()
+    lora = fa.LoRA(torch.randn(2, 6), torch.randn(5, 2), 0.5)
+    x = torch.randn(3, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "did not run" warning: the weight was used and adapted
+        got = fa.functional_call(model, fa.Adapter({"out_proj": lora}), (x,))
+    torch.testing.assert_close(got, model(x) + 0.5 * (x @ lora.A.T) @ lora.B.T)
