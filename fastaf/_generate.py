@@ -6,8 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import Adapter
-from .functional._call import scoped_call
+from .functional import Adapter, scoped_call
 
 
 def generate(
@@ -28,11 +27,20 @@ def generate(
             ``adapter_ids``.
         input_ids: (batch, seq).
         adapter_ids: (batch,) int tensor for a stacked adapter: row i decodes with slot
-            ``adapter_ids[i]``, -1 with the base model. Beams and ``num_return_sequences`` repeat
-            each row's id, as generate repeats the row.
+            ``adapter_ids[i]``, -1 with the base model. With ``num_beams`` or
+            ``num_return_sequences`` above 1 each id is repeated as generate repeats its row.
         **generate_kwargs: passed to ``model.generate``.
     Returns:
         What ``model.generate`` returns.
     """
+    if adapter_ids is not None and isinstance(adapter_ids, torch.Tensor):
+        # generate repeats each row num_beams * num_return_sequences times (repeat_interleave)
+        config = getattr(model, "generation_config", None)
+        beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
+        returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
+        if adapter_ids.dim() == 1 and adapter_ids.shape[0] == input_ids.shape[0]:
+            expanded = adapter_ids.repeat_interleave(beams * returns) if beams * returns > 1 else adapter_ids
+            return scoped_call(model, adapter, lambda: model.generate(input_ids, **generate_kwargs),
+                               adapter_ids=expanded, inputs=((input_ids.repeat_interleave(beams * returns, 0),), {}))
     return scoped_call(model, adapter, lambda: model.generate(input_ids, **generate_kwargs),
                        adapter_ids=adapter_ids, inputs=((input_ids,), {}))

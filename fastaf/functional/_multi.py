@@ -17,16 +17,19 @@ from torch import Tensor
 from ._adapter import LoRA
 
 
-def expand_ids(ids: Tensor, rows: int, where: str) -> Tensor:
-    """``ids`` for a batch of ``rows``: itself, or each id repeated when generate expanded the batch
-    (beams, ``num_return_sequences``: rows = k * len(ids), HF's ``repeat_interleave`` order)."""
-    if rows == ids.shape[0]:
-        return ids
-    if ids.shape[0] and rows % ids.shape[0] == 0:
+def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -> Tensor:
+    """``ids`` for a layer's input of ``rows`` rows: one row per id; anything else is an error,
+    never a guess (a layer laid out time-first, or over tokens gathered per expert, cannot be
+    mapped to ids). ``flattened``: the layer flattened (batch, seq, K) to (batch * seq, K) in
+    batch-major order (GPT-2's Conv1D before its addmm), so each id covers seq consecutive rows."""
+    if flattened and ids.shape[0] and rows % ids.shape[0] == 0:
         return ids.repeat_interleave(rows // ids.shape[0])
-    raise ValueError(
-        f"{where}: adapter_ids has {ids.shape[0]} entries but the layer's input has {rows} rows"
-    )
+    if rows != ids.shape[0]:
+        raise ValueError(
+            f"{where}: adapter_ids has {ids.shape[0]} entries but the layer's input has {rows} rows; "
+            "adapter_ids needs layers whose first dimension is the batch"
+        )
+    return ids
 
 
 def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA, ids: Tensor, *,

@@ -98,3 +98,18 @@ def test_generate_decodes_each_row_with_its_adapter_and_leaves_the_model():
     assert not torch.equal(mixed[0], mixed[1])
     assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
+    class TimeFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 6)
+
+        def forward(self, x):  # x (batch, T, K) -> the linear sees (T, batch, K)
+            return self.proj(x.transpose(0, 1)).transpose(0, 1)
+
+    model = TimeFirst()
+    stack = fa.stack([fa.Adapter({"proj": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2))})] * 2)
+    with pytest.raises(ValueError, match="2 entries but the layer's input has 4 rows"):
+        fa.functional_call(model, stack, (torch.randn(2, 4, 6),), adapter_ids=torch.tensor([0, 1]))
