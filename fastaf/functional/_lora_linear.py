@@ -26,6 +26,7 @@ recomputes the mask and the Triton kernels match this reference bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -428,8 +429,11 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         if ctx.level:
             dy = _functorch._unwrap_for_grad(dy, ctx.level)
             saved_layer = _functorch.pop_dynamic_layer_stack()
+        # Under a grad level functorch runs backward with create_graph; this VJP is first order
+        # there. In plain autograd the reference's ops stay differentiable (double backward).
+        scope = torch.no_grad() if ctx.level or ctx.triton else contextlib.nullcontext()
         try:
-            with torch.no_grad():  # functorch runs backward with create_graph; this VJP is first order
+            with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
                 dx, da, db = _direct_bwd(dy2, x2, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, need_x,
                                          ctx.impl, ctx.triton)

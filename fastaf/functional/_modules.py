@@ -38,13 +38,6 @@ def linear_spec(module: nn.Module) -> LinearSpec | None:
     return None
 
 
-def known_forward(module: nn.Module) -> bool:
-    """Whether ``module`` runs the forward of ``nn.Linear`` or transformers' ``Conv1D``, which
-    always reaches its weight through ``F.linear`` / ``torch.addmm``."""
-    forward = type(module).forward
-    return forward is nn.Linear.forward or (_is_hf_conv1d(module) and forward.__qualname__ == "Conv1D.forward")
-
-
 def _output_embedding_paths(model: nn.Module) -> set[str]:
     """Paths of the output projection, which PEFT's "all-linear" leaves out."""
     get = getattr(model, "get_output_embeddings", None)

@@ -281,3 +281,19 @@ def test_triton_eager_path_matches_reference(dropout):
     for got, want, name in zip(out["triton"], out["torch"], ("y", "dx", "dW", "dbias", "dA", "dB")):
         assert got.shape == want.shape, name
         assert_close(got, want, torch.float32, name)
+
+
+def test_double_backward_in_plain_autograd_matches_the_formula():
+    """A gradient penalty: the plain-autograd VJP stays differentiable on the torch path."""
+    x, w, b, lo = make(dtype=torch.float64)
+    A, B = lo.A.clone().requires_grad_(), lo.B.clone().requires_grad_()
+    xg = x.clone().requires_grad_()
+
+    def penalty(f):
+        (gx,) = torch.autograd.grad(f(xg).square().sum(), xg, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), (A, B))
+
+    got = penalty(lambda xx: lora_linear(xx, w, b, fa.LoRA(A, B, lo.scale)))
+    want = penalty(lambda xx: xx @ w.T + b + lo.scale * (xx @ A.T) @ B.T)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
