@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter, module_mode
@@ -81,7 +82,7 @@ class _Registry(nn.Module):
         super().__init__()
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
-        self.active_loras: dict[str, LoRA] = {}  # the active slot's LoRAs (its Parameters), by path
+        self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by path
         self.hooked: dict[str, tuple] = {}  # path -> (pre-hook id, hook id) on that module
 
     def extra_repr(self) -> str:
@@ -94,14 +95,16 @@ class _Registry(nn.Module):
 
     def activate(self, model: nn.Module, name: str | None) -> None:
         """Make ``name`` active: hooks on exactly its modules, only its factors trainable."""
+        _close_stale(self)  # a mode an interrupted forward left open in this thread
         modules = dict(model.named_modules())
         for path, (pre_id, post_id) in self.hooked.items():
             modules[path]._forward_pre_hooks.pop(pre_id, None)
             modules[path]._forward_hooks.pop(post_id, None)
             modules[path]._forward_hooks_always_called.pop(post_id, None)
         self.hooked, self.active = {}, name
-        self.active_loras = {} if name is None else dict(self.slot(name).adapter(detach=False))
-        for path in self.active_loras:
+        paths = [] if name is None else [p.path for p in self.slot(name).values()]
+        self.active_loras = {}
+        for path in paths:
             pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, path))
             post = modules[path].register_forward_hook(functools.partial(self.leave_module, path), always_call=True)
             self.hooked[path] = (pre.id, post.id)
@@ -109,19 +112,43 @@ class _Registry(nn.Module):
             for p in slot.parameters():
                 p.requires_grad_(slot_name == name)
 
+    def active_lora(self, path: str) -> LoRA:
+        """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
+        were replaced (``load_state_dict(assign=True)``, ``to_empty``), else the cached one."""
+        params = self.adapters[self.active][path.replace(".", "__")]
+        lora = self.active_loras.get(path)
+        if lora is None or lora.A is not params.A or lora.B is not params.B:
+            lora = self.active_loras[path] = params.lora(detach=False)
+        return lora
+
     def enter_module(self, path: str, module: nn.Module, args: Any) -> None:
+        # Targeted linears do not nest, so an entry of this registry still open here was left by a
+        # forward that an interrupt (KeyboardInterrupt skips always-called hooks) cut short.
+        _close_stale(self)
+        stack = _open_modes()
         # inside functional_call the explicit adapter stands in for the active one
-        mode = None if explicit_mode_active() else module_mode(path, module, self.active_loras[path])
+        mode = None if explicit_mode_active() else module_mode(path, module, self.active_lora(path))
         if mode is not None:
             mode.__enter__()
-        _open_modes().append((module, mode))
+        stack.append((module, mode, self))
 
     def leave_module(self, path: str, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()
         if stack and stack[-1][0] is module:
-            mode = stack.pop()[1]
-            if mode is not None:
-                mode.__exit__(None, None, None)
+            _close(stack.pop()[1])
+
+
+def _close_stale(registry: _Registry) -> None:
+    stack = _open_modes()
+    while stack and stack[-1][2] is registry:
+        _close(stack.pop()[1])
+
+
+def _close(mode: Any) -> None:
+    """Leave ``mode`` if it is the innermost torch function mode (leaving another would pop that one)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode is not None and stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
 
 
 _local = threading.local()  # modes are per thread, and so is the stack of the hooks that opened them
@@ -350,11 +377,14 @@ def push_adapter_to_hub(
     one commit (``fastaf._hub.upload_folder_to_hub``; ``token`` and ``private`` as there).
 
     Returns:
-        The URL of the commit.
+        The URL of the commit (None on ranks other than 0 of a distributed run).
     """
+    from . import distributed
     from ._hub import upload_folder_to_hub
 
     _registry(model).slot(name)  # unknown names fail before anything is written
+    if not distributed.is_writer():
+        return None  # rank 0 uploads; the other ranks of a distributed run do nothing
     with tempfile.TemporaryDirectory(prefix="fastaf-push-") as tmp:
         save_adapter_to_local_dir(model, path=tmp, name=name)
         return upload_folder_to_hub(

@@ -416,3 +416,48 @@ def test_push_adapter_to_hub_uploads_the_saved_folder(monkeypatch):
     assert "'b'" in seen["kwargs"]["commit_message"]
     assert_adapters_equal(seen["adapter"], model.get_adapter("b"))
     assert not seen["folder"].exists()  # the temporary folder is gone
+
+
+def test_replaced_parameters_are_what_the_forward_uses():
+    base, model = inited()
+    ids = token_batch()
+    other = random_adapter(base, TARGETS["llama"], r=4, seed=7)
+    state = {f"fastaf.adapters.b.{p.replace('.', '__')}.{f}": getattr(l, f).clone()
+             for p, l in other.items() for f in ("A", "B")}
+    model.load_state_dict(state, strict=False, assign=True)  # new Parameter objects
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fa.functional_call(base, other, (ids,)).logits)
+
+
+def test_an_interrupted_forward_leaves_no_mode_behind():
+    base, model = inited()
+    ids = token_batch()
+    layer = model.model.layers[0].self_attn.q_proj
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # inside the forward: always-called hooks do not run for it
+
+    layer.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        model(ids)
+    del layer.forward
+    assert torch._C._len_torch_function_stack() == 1  # the interrupt left q_proj's mode open
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fa.functional_call(base, model.get_adapter("b"), (ids,)).logits)
+    model(ids)
+    model.set_active_adapter(None)  # an interrupt again, then no adapter: nothing may stay adapted
+    layer.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        model(ids)
+    del layer.forward
+    model.set_active_adapter(None)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, base(ids).logits)
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_push_on_a_rank_other_than_0_uploads_nothing(monkeypatch):
+    _, model = inited()
+    monkeypatch.setattr(fa.distributed, "is_writer", lambda: False)
+    monkeypatch.setattr(fastaf._hub, "upload_folder_to_hub", lambda *a, **k: pytest.fail("uploaded"))
+    assert fa.push_adapter_to_hub(model, name="b", repo_id="alice/x") is None
