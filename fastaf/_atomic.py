@@ -29,6 +29,7 @@ from pathlib import Path
 COMMIT_DIR = ".fastaf-commit"
 STAGING_PREFIX = ".fastaf-tmp-"
 _READ_ATTEMPTS = 50  # a concurrent writer changes the folder for milliseconds; 50 x 10 ms is ample
+_COMMIT_ATTEMPTS = 200  # 4 writers x 150 saves each: 11-23 failures per writer with one retry
 
 
 def _fsync(path: Path) -> None:
@@ -58,8 +59,12 @@ def _stale_staging(entry: Path) -> bool:
 def finish_pending(directory: Path) -> None:
     """Complete a write that passed its commit point, then drop stale staging folders."""
     commit = directory / COMMIT_DIR
-    if commit.is_dir():
-        for name in sorted(os.listdir(commit)):
+    try:
+        pending = sorted(os.listdir(commit))
+    except (FileNotFoundError, NotADirectoryError):  # none, or another writer just finished it
+        pending = None
+    if pending is not None:
+        for name in pending:
             try:
                 os.replace(commit / name, directory / name)
             except FileNotFoundError:  # a concurrent writer moved it first
@@ -93,17 +98,26 @@ def replace_files(directory: Path, writers: Mapping[str, Callable[[Path], None]]
             write(staging / name)
             _fsync(staging / name)
         _fsync(staging)
-        try:
-            os.replace(staging, directory / COMMIT_DIR)  # the commit point
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            finish_pending(directory)  # a concurrent writer committed first: let it land, then ours
-            os.replace(staging, directory / COMMIT_DIR)
+        _commit(staging, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finish_pending(directory)
+
+
+def _commit(staging: Path, directory: Path) -> None:
+    """Rename ``staging`` to the commit folder: the commit point. Another writer's commit folder
+    in the way is finished first; a run of them (writers in a loop) is waited out, then an error."""
+    for _ in range(_COMMIT_ATTEMPTS):
+        try:
+            os.replace(staging, directory / COMMIT_DIR)
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        finish_pending(directory)
+        time.sleep(0.005)
+    raise OSError(f"{directory}: other saves kept committing for {_COMMIT_ATTEMPTS} tries; this save was not applied")
 
 
 def _state(directory: Path, names: Sequence[str]) -> tuple:

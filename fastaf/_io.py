@@ -224,7 +224,8 @@ def save_adapter(
             adapter under it.
     Returns:
         The directory. Under ``torch.distributed`` only rank 0 writes (every rank checks the
-        adapter); other ranks that read the files next wait for it with a barrier.
+        adapter); other ranks that read the files next must first wait for it, e.g. with
+        ``torch.distributed.barrier()``.
     """
     dropout = _check_savable(adapter, config)
     if name is not None and not isinstance(name, str):

@@ -52,11 +52,17 @@ def _save(adapter, folder, which: str) -> None:
 
 def _fork(child) -> int:
     pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
+    if pid == 0:  # the child never returns into pytest; a raise exits with 1
+        code = 1
         try:
             child()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()  # shown in the test's captured output
         finally:
-            os._exit(0)
+            os._exit(code)
     return pid
 
 
@@ -187,3 +193,22 @@ def test_leftover_staging_of_a_dead_writer_is_removed_and_a_live_ones_kept(tmp_p
     assert _which(folder, pair) == "old"  # readers ignore staging folders
     _save(pair[1], folder, "new")
     assert not dead.exists() and not legacy.exists() and live.exists()
+
+
+def test_four_writers_at_once_all_land_and_readers_see_whole_adapters(tmp_path, pair):
+    folder = tmp_path / "ad"
+    _save(pair[0], folder, "old")
+
+    def save_many(which):
+        def run():
+            for _ in range(60):
+                _save(pair[which == "new"], folder, which)
+        return run
+
+    pids = [_fork(save_many(("new", "old")[i % 2])) for i in range(4)]
+    statuses = []
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        statuses.append(os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1)
+    assert statuses == [0, 0, 0, 0]  # no writer raised (a raise in the child exits non-zero)
+    assert _which(folder, pair) in ("old", "new") and _clean(folder)
