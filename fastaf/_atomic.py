@@ -94,6 +94,8 @@ def replace_files(directory: Path, writers: Mapping[str, Callable[[Path], None]]
     finish_pending(directory)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=directory))
     try:
+        # mkdtemp makes it 0700; as the commit folder, readers of other users must see into it
+        os.chmod(staging, 0o755)
         for name, write in writers.items():
             write(staging / name)
             _fsync(staging / name)

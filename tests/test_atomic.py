@@ -212,3 +212,20 @@ def test_four_writers_at_once_all_land_and_readers_see_whole_adapters(tmp_path, 
         statuses.append(os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1)
     assert statuses == [0, 0, 0, 0]  # no writer raised (a raise in the child exits non-zero)
     assert _which(folder, pair) in ("old", "new") and _clean(folder)
+
+
+def test_a_pending_commit_is_readable_by_other_users(tmp_path, pair, monkeypatch):
+    folder = tmp_path / "ad"
+    _save(pair[0], folder, "old")
+    real, calls = os.replace, [0]
+
+    def replace(src, dst):  # stop after the commit rename, as a kill there would
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        _save(pair[1], folder, "new")
+    assert (folder / _atomic.COMMIT_DIR).stat().st_mode & 0o055 == 0o055  # group/other may list and enter

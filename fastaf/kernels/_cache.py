@@ -141,9 +141,15 @@ def save(data: dict, path: Path | None = None) -> Path:
     path = cache_path(data["gpu"], data["triton"]) if path is None else Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # no half-written temp file left beside the cache
+        raise
     _memo.pop(path, None)  # re-read through load's checks rather than trusting ``data``
     return path
 

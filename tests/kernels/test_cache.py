@@ -248,3 +248,9 @@ def test_nonsense_kernel_configs_are_not_launched(bad, problem, monkeypatch):
         assert ll.config_problem(conf) is None and conf == ll.DEFAULTS[phase]
     finally:
         ll.clear_memos()
+
+
+def test_a_failed_cache_write_leaves_no_temp_file(tmp_cache):
+    with pytest.raises(TypeError):
+        _cache.save({**_data(), "bad": object()})  # not JSON-serializable
+    assert not list(tmp_cache.glob(".tune-*"))
