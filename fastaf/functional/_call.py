@@ -154,11 +154,6 @@ def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
     )
 
 
-def _fsdp2_sharded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` reached ``model`` (it gives each sharded module an FSDP class)."""
-    return any(c.__name__ == "FSDPModule" for m in model.modules() for c in type(m).__mro__)
-
-
 def _is_dtensor(t: Any) -> bool:
     # by name: torch.distributed.tensor may not be imported (or built), and this runs while tracing
     return type(t).__name__ == "DTensor"
@@ -362,10 +357,11 @@ def functional_call(
         args = (args,)
     kwargs = kwargs or {}
     if params:
-        return scoped_call(model, adapter, lambda: torch.func.functional_call(model, dict(params), args, kwargs),
-                           params=params, adapter_ids=adapter_ids, impl=impl, inputs=(args, kwargs))
-    return scoped_call(model, adapter, lambda: model(*args, **kwargs), adapter_ids=adapter_ids, impl=impl,
-                       inputs=(args, kwargs))
+        run = lambda: torch.func.functional_call(model, dict(params), args, kwargs)  # noqa: E731
+    else:
+        run = lambda: model(*args, **kwargs)  # noqa: E731
+    batch = _batch_size((args, kwargs)) if adapter_ids is not None else None
+    return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
 
 
 def scoped_call(
@@ -376,12 +372,12 @@ def scoped_call(
     params: Mapping[str, Tensor] | None = None,
     adapter_ids: Tensor | None = None,
     impl: str = "auto",
-    inputs: Any = (),
+    batch: int | None = None,
 ) -> Any:
     """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
     machinery, for callers that run the model another way (``fastaf.generate``).
 
-    ``inputs`` (args and kwargs of the run) give the batch size ``adapter_ids`` is checked against.
+    ``batch``: the number of examples the run's layers see, which ``adapter_ids`` must match.
     """
     adapter = _combine(adapter)
     if adapter is None or len(adapter) == 0:
@@ -390,9 +386,10 @@ def scoped_call(
         return run()
     compiling = torch.compiler.is_compiling()
     if adapter_ids is not None and not compiling:
-        _check_ids(adapter_ids, adapter, inputs)
+        _check_ids(adapter_ids, adapter, batch)
     mode = adapter_mode(model, adapter, params=params, impl=impl, adapter_ids=adapter_ids)
-    if not compiling and torch._C._functorch.get_interpreter_stack() and _fsdp2_sharded(model):
+    routes = list(mode.routes.values())  # before _WeightWatch keys a route by a second weight
+    if not compiling and torch._C._functorch.get_interpreter_stack() and any(_is_dtensor(r.weight) for r in routes):
         raise NotImplementedError(
             f"fastaf.functional_call: {type(model).__name__} holds FSDP2 (fully_shard) modules, whose hooks "
             "do not run under torch.func transforms on CUDA (an all-gather copying into captured tensors, "
@@ -404,7 +401,7 @@ def scoped_call(
             return run()
     with mode, _WeightWatch(mode):
         out = run()
-    _check_applied(mode.routes.values())
+    _check_applied(routes)
     return out
 
 
@@ -414,7 +411,7 @@ def _batch_size(inputs: Any) -> int | None:
     return next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
 
 
-def _check_ids(ids: Any, adapter: Adapter, inputs: Any) -> None:
+def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
     """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got {type(ids).__name__}")
@@ -426,7 +423,6 @@ def _check_ids(ids: Any, adapter: Adapter, inputs: Any) -> None:
     n = {l.A.shape[0] for l in adapter.values() if l.stacked}
     if len(n) > 1:
         raise ValueError(f"fastaf: the stacked adapter's paths disagree on the stack size: {sorted(n)}")
-    batch = _batch_size(inputs)
     if batch is not None and ids.shape[0] != batch:
         raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {batch} examples")
     if n and ids.numel():
@@ -436,7 +432,7 @@ def _check_ids(ids: Any, adapter: Adapter, inputs: Any) -> None:
                              f"{next(iter(n))} adapters, got values from {lo} to {hi}")
 
 
-def _check_applied(routes: Any) -> None:
+def _check_applied(routes: list[_Route]) -> None:
     """Raise for modules that ran with their LoRA unapplied; warn for modules that never ran."""
     lost = [r for r in routes if r.hits == 0 and r.calls > 0]
     if lost:

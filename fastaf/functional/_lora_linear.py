@@ -264,7 +264,7 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     return True
 
 
-def _direct_level(*tensors: Optional[Tensor]) -> Optional[int]:
+def _direct_level(*tensors: Optional[Tensor]) -> int:
     """Where ``_LoRALinearDirect`` can serve: 0 in plain eager autograd, the grad level when the
     innermost transform is the only ``torch.func.grad`` (vmap levels below it are fine), else -1.
 
