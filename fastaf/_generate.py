@@ -33,14 +33,13 @@ def generate(
     Returns:
         What ``model.generate`` returns.
     """
-    if adapter_ids is not None and isinstance(adapter_ids, torch.Tensor):
+    batch = input_ids.shape[0]
+    if isinstance(adapter_ids, torch.Tensor) and adapter_ids.dim() == 1 and adapter_ids.shape[0] == batch:
         # generate repeats each row num_beams * num_return_sequences times (repeat_interleave)
         config = getattr(model, "generation_config", None)
         beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
         returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
-        if adapter_ids.dim() == 1 and adapter_ids.shape[0] == input_ids.shape[0]:
-            expanded = adapter_ids.repeat_interleave(beams * returns) if beams * returns > 1 else adapter_ids
-            return scoped_call(model, adapter, lambda: model.generate(input_ids, **generate_kwargs),
-                               adapter_ids=expanded, inputs=((input_ids.repeat_interleave(beams * returns, 0),), {}))
+        if beams * returns > 1:
+            adapter_ids, batch = adapter_ids.repeat_interleave(beams * returns), batch * beams * returns
     return scoped_call(model, adapter, lambda: model.generate(input_ids, **generate_kwargs),
-                       adapter_ids=adapter_ids, inputs=((input_ids,), {}))
+                       adapter_ids=adapter_ids, batch=batch)
