@@ -349,11 +349,10 @@ def load_adapter(
     existing = registry.adapters if isinstance(registry, _Registry) else {}
     if name is not None:
         _check_new_name(name, existing)  # fail before reading (or downloading) anything
-    if isinstance(registry, _Registry):
-        with _without_registry(model) as base:
-            adapter, stored = read_adapter_and_name(path_or_repo_id, model=base, revision=revision, token=token)
-    else:
-        adapter, stored = read_adapter_and_name(path_or_repo_id, model=model, revision=revision, token=token)
+    # checked against the base model alone: the registry's own modules are not targets
+    scope = _without_registry(model) if isinstance(registry, _Registry) else contextlib.nullcontext(model)
+    with scope as base:
+        adapter, stored = read_adapter_and_name(path_or_repo_id, model=base, revision=revision, token=token)
     if name is None:
         name = stored or _default_name(path_or_repo_id)
         _check_new_name(name, existing)
