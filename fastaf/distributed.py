@@ -19,6 +19,7 @@ every rank of ``group`` must call, in the same order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -50,6 +51,18 @@ def _check_group(what: str) -> None:
                            "(call torch.distributed.init_process_group, or launch with torchrun)")
 
 
+def _through_buckets(leaves: list[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:
+    """New tensors like ``leaves`` after ``collective`` ran in place on one flat copy per
+    (dtype, device): one collective per bucket, not per tensor; the inputs are left unchanged."""
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for indices in _buckets(leaves).values():
+        flat = torch.cat([leaves[i].detach().reshape(-1) for i in indices])  # a copy
+        collective(flat)
+        for i, piece in zip(indices, flat.split([leaves[i].numel() for i in indices])):
+            out[i] = piece.view_as(leaves[i])
+    return out
+
+
 def all_reduce_grads(grads: T, *, group: dist.ProcessGroup | None = None) -> T:
     """The mean of ``grads`` over the ranks of ``group``, as new tensors of the same structure.
 
@@ -63,15 +76,12 @@ def all_reduce_grads(grads: T, *, group: dist.ProcessGroup | None = None) -> T:
     _check_group("all_reduce_grads")
     leaves, spec = _flat_leaves(grads, "all_reduce_grads")
     world = dist.get_world_size(group)
-    out: list[torch.Tensor | None] = [None] * len(leaves)
-    for indices in _buckets(leaves).values():
-        parts = [leaves[i].detach() for i in indices]
-        flat = torch.cat([p.reshape(-1) for p in parts])  # a copy: the caller's tensors stay as they were
+
+    def mean(flat: torch.Tensor) -> None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
         flat /= world
-        for i, piece in zip(indices, flat.split([p.numel() for p in parts])):
-            out[i] = piece.view_as(leaves[i])
-    return pytree.tree_unflatten(out, spec)
+
+    return pytree.tree_unflatten(_through_buckets(leaves, mean), spec)
 
 
 def broadcast_adapter(adapter: T, *, src: int = 0, group: dist.ProcessGroup | None = None) -> T:
@@ -79,13 +89,7 @@ def broadcast_adapter(adapter: T, *, src: int = 0, group: dist.ProcessGroup | No
     starts from one adapter on every rank whatever each rank's seed or initialisation."""
     _check_group("broadcast_adapter")
     leaves, spec = _flat_leaves(adapter, "broadcast_adapter")
-    out = [t.detach().clone() for t in leaves]
-    for indices in _buckets(out).values():
-        flat = torch.cat([out[i].reshape(-1) for i in indices])
-        dist.broadcast(flat, src=src, group=group)
-        for i, piece in zip(indices, flat.split([out[i].numel() for i in indices])):
-            out[i] = piece.view_as(leaves[i])
-    return pytree.tree_unflatten(out, spec)
+    return pytree.tree_unflatten(_through_buckets(leaves, lambda flat: dist.broadcast(flat, src=src, group=group)), spec)
 
 
 def is_writer() -> bool:
