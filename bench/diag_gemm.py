@@ -21,6 +21,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
 from fastaf.kernels import lora_linear as ll  # noqa: E402
+from fastaf.kernels._device import _smem_limit  # noqa: E402
+from fastaf.kernels.lora_linear_configs import fit  # noqa: E402
+from fastaf.kernels.lora_linear_plan import _config, _gemm_key, _r_pad  # noqa: E402
 
 ROUNDS = 5
 
@@ -28,8 +31,8 @@ ROUNDS = 5
 def variants(M: int, K: int, N: int, R: int, w_kn: torch.Tensor) -> dict[str, dict]:
     """name -> full gemm config (fitted to this GPU's shared memory); skipped where none fits."""
     dev = torch.device("cuda")
-    key = ll._gemm_key(M, N, K, R, torch.bfloat16, w_kn)
-    tuned = ll._config("gemm", dev, key)
+    key = _gemm_key(M, N, K, R, torch.bfloat16, w_kn)
+    tuned = _config("gemm", dev, key)
     raw = {
         "tuned": tuned,
         "128x256x64 w8": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -38,7 +41,7 @@ def variants(M: int, K: int, N: int, R: int, w_kn: torch.Tensor) -> dict[str, di
     }
     out = {}
     for name, conf in raw.items():
-        fitted = ll.fit("gemm", conf, ll._r_pad(R), 2, ll._smem_limit(dev))
+        fitted = fit("gemm", conf, _r_pad(R), 2, _smem_limit(dev))
         if fitted is not None:
             out[f"{name} ({fitted['num_stages']}st)"] = fitted
     return out

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fastaf as fa  # noqa: E402
 from fastaf.functional._lora_linear import _LoRALinearFn  # noqa: E402
 from fastaf.kernels import lora_linear as ll  # noqa: E402
+from fastaf.kernels.lora_linear_plan import _choose  # noqa: E402
 
 
 def main() -> None:
@@ -130,8 +131,8 @@ def host_bisect(M: int = 2048, K: int = 4096, N: int = 4096, r: int = 16) -> Non
     lora = fa.LoRA(A, B, s)
     x, Ad, Bd = xg.detach(), A.detach(), B.detach()
     grads = (xg, A, B)
-    print(f"host bisect M={M} K={K} N={N} r={r}: dispatch fwd={ll._choose('auto', 'fwd', x, M, K, N, r)} "
-          f"bwd={ll._choose('auto', 'bwd', x, M, K, N, r)}")
+    print(f"host bisect M={M} K={K} N={N} r={r}: dispatch fwd={_choose('auto', 'fwd', x, M, K, N, r)} "
+          f"bwd={_choose('auto', 'bwd', x, M, K, N, r)}")
 
     def raw_fwd():
         h = x @ Ad.T

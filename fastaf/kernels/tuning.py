@@ -17,6 +17,9 @@ import torch
 
 from fastaf.kernels import _cache, _dispatch
 from fastaf.kernels import lora_linear as ll
+from fastaf.kernels._device import _smem_limit, _tma_ready
+from fastaf.kernels.lora_linear_configs import bwd_da_configs, bwd_dy_configs, fwd_h_configs, gemm_configs, smem_bytes
+from fastaf.kernels.lora_linear_plan import _gemm_key, _key, _r_pad, clear_memos
 
 # (K, N) of Llama-3-8B attention and MLP, as in BENCH.md.
 BENCH_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
@@ -103,14 +106,14 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
     dy = rnd(s.M, s.N)
     h = ll.fwd_h(x, a, 0.0, None)
     dh, _ = ll.bwd_dy(dy, b, h, 1.0)
-    dt = ll._key(dtype=dtype)["dtype"]
+    dt = _key(dtype=dtype)["dtype"]
     elt = x.element_size()
 
-    limit = ll._smem_limit(x.device)
+    limit = _smem_limit(x.device)
 
     def fitting(phase: str, configs: list[dict]) -> list[dict]:
         """The configs whose tiles fit shared memory at this rank (a failed compile costs seconds)."""
-        return [c for c in configs if ll.smem_bytes(phase, c, ll._r_pad(s.R), elt) <= limit]
+        return [c for c in configs if smem_bytes(phase, c, _r_pad(s.R), elt) <= limit]
 
     def put(phase: str, key: dict, conf: dict, ms: float) -> None:
         _cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
@@ -119,28 +122,28 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
     if "gemm" in kernels:
         for wkn, lhs, low, up, label in ((w.T, x, h, b.T, "fwd"), (w, dy, dh, a, "dx")):
             M, K, N = lhs.shape[0], lhs.shape[1], wkn.shape[1]
-            tma = ll._tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
+            tma = _tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
             phase = "gemm" if tma else "gemm_plain"
-            key = ll._gemm_key(M, N, K, s.R, dtype, wkn)
-            conf, ms = _best(phase, fitting(phase, ll.gemm_configs(elt)),
+            key = _gemm_key(M, N, K, s.R, dtype, wkn)
+            conf, ms = _best(phase, fitting(phase, gemm_configs(elt)),
                              lambda c: ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
             put(phase, key, conf, ms)
     if "fwd_h" in kernels:
-        conf, ms = _best("fwd_h", fitting("fwd_h", ll.fwd_h_configs()),
+        conf, ms = _best("fwd_h", fitting("fwd_h", fwd_h_configs()),
                          lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
-        put("fwd_h", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
+        put("fwd_h", _key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "bwd_dy" in kernels:
-        conf, ms = _best("bwd_dy", fitting("bwd_dy", ll.bwd_dy_configs()),
+        conf, ms = _best("bwd_dy", fitting("bwd_dy", bwd_dy_configs()),
                          lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
-        put("bwd_dy", ll._key(M=s.M, N=s.N, R=s.R, dtype=dt), conf, ms)
+        put("bwd_dy", _key(M=s.M, N=s.N, R=s.R, dtype=dt), conf, ms)
     if "bwd_da" in kernels:
-        conf, ms = _best("bwd_da", fitting("bwd_da", ll.bwd_da_configs()),
+        conf, ms = _best("bwd_da", fitting("bwd_da", bwd_da_configs()),
                          lambda c: ll.bwd_da(dh, x, 0.0, None, config=c), rep_ms)
-        put("bwd_da", ll._key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
+        put("bwd_da", _key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "dispatch" in kernels:
         _cache.save(data)  # the fused path below reads the configs just tuned
-        ll.clear_memos()
-        key = ll._key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
+        clear_memos()
+        key = _key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
         for phase, fn in (
             ("fwd", lambda impl: ll.lora_linear_fwd(x, w, None, a, b, 2.0, 0.0, None, impl=impl)),
             ("bwd", lambda impl: ll.lora_linear_bwd(dy, x, w, a, b, h, 2.0, 0.0, None, True, impl=impl)),
@@ -169,5 +172,5 @@ def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, 
         tune_shape(s, dtype, kernels, data, rep_ms=rep_ms, log=log)
         _cache.save(data, path)
         torch.cuda.empty_cache()
-    ll.clear_memos()
+    clear_memos()
     return data

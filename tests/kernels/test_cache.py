@@ -136,25 +136,26 @@ def test_config_borrowed_from_another_rank_is_fitted_to_shared_memory(monkeypatc
     bytes, Triton's OutOfResources); borrowed configs now lose pipeline stages until they fit."""
     import torch
 
-    from fastaf.kernels import lora_linear as ll
+    from fastaf.kernels import lora_linear_configs as configs
+    from fastaf.kernels import lora_linear_plan as plan
 
     big = {"BLOCK_M": 64, "BLOCK_K": 256, "USE_TMA": 0, "num_warps": 4, "num_stages": 4}
     key16 = {"M": 2048, "K": 4096, "R": 16, "dtype": "bfloat16"}
     data = _cache.empty(_cache.device_name(), _cache.triton_version())
     data["kernels"]["lora_linear.fwd_h"] = [{"key": key16, "config": big}]
     _cache.save(data)
-    ll.clear_memos()
-    monkeypatch.setattr(ll, "_smem_limit", lambda device: 232448)  # H100's opt-in limit
+    plan.clear_memos()
+    monkeypatch.setattr(plan, "_smem_limit", lambda device: 232448)  # H100's opt-in limit, as _config sees it
     dev = torch.device("cuda", 0)  # only its type and index are read: no GPU needed
     try:
-        assert ll.smem_bytes("fwd_h", big, 64, 2) == 262144  # the figure Triton reported
-        assert ll._config("fwd_h", dev, key16) == big  # measured at this very shape: trusted as is
-        conf = ll._config("fwd_h", dev, {**key16, "R": 64})
-        assert conf["num_stages"] == 3 and ll.smem_bytes("fwd_h", conf, 64, 2) <= 232448
+        assert configs.smem_bytes("fwd_h", big, 64, 2) == 262144  # the figure Triton reported
+        assert plan._config("fwd_h", dev, key16) == big  # measured at this very shape: trusted as is
+        conf = plan._config("fwd_h", dev, {**key16, "R": 64})
+        assert conf["num_stages"] == 3 and configs.smem_bytes("fwd_h", conf, 64, 2) <= 232448
         assert {k: v for k, v in conf.items() if k != "num_stages"} == {k: v for k, v in big.items() if k != "num_stages"}
-        assert ll.fit("fwd_h", {**big, "BLOCK_M": 4096}, 64, 2, 232448) is None  # cannot fit: the caller's default
+        assert configs.fit("fwd_h", {**big, "BLOCK_M": 4096}, 64, 2, 232448) is None  # cannot fit: the caller's default
     finally:
-        ll.clear_memos()
+        plan.clear_memos()
 
 
 def test_cached_config_keys_follow_this_versions_kernel():
@@ -162,20 +163,21 @@ def test_cached_config_keys_follow_this_versions_kernel():
     default, and one this kernel does not take (a dropped flag) is left out, not passed to Triton."""
     import torch
 
-    from fastaf.kernels import lora_linear as ll
+    from fastaf.kernels import lora_linear_configs as configs
+    from fastaf.kernels import lora_linear_plan as plan
 
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
     old = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_STORE": 1}
     data = _cache.empty(_cache.device_name(), _cache.triton_version())
     data["kernels"]["lora_linear.gemm"] = [{"key": key, "config": old}]
     _cache.save(data)
-    ll.clear_memos()
+    plan.clear_memos()
     try:
-        conf = ll._config("gemm", torch.device("cuda", 0), key)
-        assert conf == {**ll.DEFAULTS["gemm"], **{k: v for k, v in old.items() if k != "SPLIT_STORE"}}
-        assert conf["GROUP_M"] == ll.DEFAULTS["gemm"]["GROUP_M"]  # absent from the entry
+        conf = plan._config("gemm", torch.device("cuda", 0), key)
+        assert conf == {**configs.DEFAULTS["gemm"], **{k: v for k, v in old.items() if k != "SPLIT_STORE"}}
+        assert conf["GROUP_M"] == configs.DEFAULTS["gemm"]["GROUP_M"]  # absent from the entry
     finally:
-        ll.clear_memos()
+        plan.clear_memos()
 
 
 @pytest.mark.parametrize(
@@ -232,22 +234,23 @@ def test_clear_survives_a_directory_and_an_undeletable_file(tmp_cache, capsys, m
 def test_nonsense_kernel_configs_are_not_launched(bad, problem, monkeypatch):
     import torch
 
-    from fastaf.kernels import lora_linear as ll
+    from fastaf.kernels import lora_linear_configs as configs
+    from fastaf.kernels import lora_linear_plan as plan
 
-    monkeypatch.setattr(ll, "_smem_limit", lambda device: 232448)  # H100's opt-in limit
+    monkeypatch.setattr(plan, "_smem_limit", lambda device: 232448)  # H100's opt-in limit, as _config sees it
 
     phase = "fwd_h" if "USE_TMA" in bad else "gemm"
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
     data = _cache.empty(_cache.device_name(), _cache.triton_version())
-    data["kernels"][f"lora_linear.{phase}"] = [{"key": key, "config": {**ll.DEFAULTS[phase], **bad}}]
+    data["kernels"][f"lora_linear.{phase}"] = [{"key": key, "config": {**configs.DEFAULTS[phase], **bad}}]
     _cache.save(data)
-    ll.clear_memos()
+    plan.clear_memos()
     try:
         with pytest.warns(UserWarning, match=re.escape(problem)):
-            conf = ll._config(phase, torch.device("cuda", 0), key)
-        assert ll.config_problem(conf) is None and conf == ll.DEFAULTS[phase]
+            conf = plan._config(phase, torch.device("cuda", 0), key)
+        assert configs.config_problem(conf) is None and conf == configs.DEFAULTS[phase]
     finally:
-        ll.clear_memos()
+        plan.clear_memos()
 
 
 def test_a_failed_cache_write_leaves_no_temp_file(tmp_cache):

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from fastaf.kernels import lora_linear as ll
+from fastaf.kernels.lora_linear_configs import DEFAULTS, gemm_configs, smem_bytes
+from fastaf.kernels.lora_linear_plan import _r_pad
 from fastaf.kernels.dropout_hash import keep_mask
 from tests._tolerances import assert_close
 
@@ -184,7 +186,7 @@ def test_bad_inputs(bad):
 
 @pytest.mark.parametrize("R", [1, 3, 16, 64, 100])
 def test_r_pad(R):
-    pad = ll._r_pad(R)
+    pad = _r_pad(R)
     assert pad >= max(R, 16) and pad & (pad - 1) == 0
 
 
@@ -260,7 +262,7 @@ def test_gpu_every_tuned_gemm_config(weight_t):
     h = torch.randn(M, R, device="cuda", dtype=torch.bfloat16, generator=g)
     u = torch.randn(R, N, device="cuda", dtype=torch.bfloat16, generator=g) / R**0.5
     want = x.double() @ w_kn.double() + 0.5 * h.double() @ u.double()
-    for conf in ll.gemm_configs():
+    for conf in gemm_configs():
         y = ll.gemm(x, w_kn, h, u, None, 0.5, 0.0, None, torch.bfloat16, config=conf)
         assert_close(y, want, torch.bfloat16, f"gemm {conf}")
 
@@ -269,5 +271,5 @@ def test_gemm_smem_model_counts_the_out_tile_apart():
     """triton 3.6 on the H100 gave the default 128x256x64 3-stage gemm 213016 bytes: the stages
     plus a separate out tile (+24 for barriers). A model that let the out tile reuse the stages'
     buffers would pass configs that Triton then refuses."""
-    conf = ll.DEFAULTS["gemm"]
-    assert ll.smem_bytes("gemm", conf, 16, 2) == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 256 * 2 == 213016 - 24
+    conf = DEFAULTS["gemm"]
+    assert smem_bytes("gemm", conf, 16, 2) == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 256 * 2 == 213016 - 24
