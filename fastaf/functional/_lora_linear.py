@@ -107,6 +107,13 @@ def _kernels():
     return _kernels_module
 
 
+def _multi_kernels():
+    """``fastaf.kernels.lora_multi``, imported on first use (grouped calls: vmap over a stack)."""
+    from ..kernels import lora_multi
+
+    return lora_multi
+
+
 def _use_triton(impl: str, x: Tensor) -> bool:
     if impl == "torch" or x.dtype == torch.float64:
         if impl == "triton":
@@ -125,6 +132,15 @@ def _single_group(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or t.shape[0] == 1 for t in tensors)
 
 
+def _segmented(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, dropout_p: float) -> bool:
+    """vmap over a stack with x batched: G groups of M rows, each its own adapter, over one shared
+    weight. The grouped kernels run it with the base GEMM once over all G * M rows."""
+    G = a.shape[0]
+    return (G > 1 and x.shape[0] == G and b.shape[0] == G and weight.shape[0] == 1 and x.shape[1] > 0
+            and (bias is None or bias.shape[0] == 1) and dropout_p == 0.0
+            and _multi_kernels().supported(x, a))
+
+
 def _fwd_impl(
     x: Tensor,
     weight: Tensor,
@@ -137,14 +153,17 @@ def _fwd_impl(
     impl: str,
 ) -> tuple[Tensor, Tensor]:
     """Forward op: (y (G, M, N), h (G, M, R)); see the module docstring for shapes."""
-    # Grouped calls (vmap over stacked adapters) take the batched-GEMM reference until the
-    # grouped kernel lands; the single-adapter hot path goes to the kernels.
     if _single_group(x, weight, bias, a, b, seed) and _use_triton(impl, x):
         y, h = _kernels().lora_linear_fwd(
             x[0], weight[0], None if bias is None else bias[0], a[0], b[0],
             scale, dropout_p, seed, impl=impl,
         )
         return y[None], h[None]
+    if _use_triton(impl, x) and _segmented(x, weight, bias, a, b, dropout_p):
+        (G, M, K), ids = x.shape, torch.arange(a.shape[0], device=x.device)
+        y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], None if bias is None else bias[0],
+                                          a, b, ids, scale)
+        return y.view(G, M, -1), h.to(x.dtype).view(G, M, -1)
     return reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed)
 
 
@@ -179,6 +198,12 @@ def _bwd_impl(
         )
         dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
         return dx, da[None], db[None]
+    if _use_triton(impl, x) and _segmented(x, weight, None, a, b, dropout_p):
+        (G, M, K), N, ids = x.shape, dy.shape[2], torch.arange(a.shape[0], device=x.device)
+        dx, da, db = _multi_kernels().multi_bwd(dy.reshape(G * M, N), x.reshape(G * M, K), weight[0], a, b,
+                                                h.reshape(G * M, -1), ids, scale, needs_dx)
+        dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
+        return dx, da.to(a.dtype), db.to(b.dtype)
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
 
 

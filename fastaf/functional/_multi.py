@@ -3,18 +3,30 @@
     y[i] = x[i] @ W.T + b + s * (x[i] @ A[ids[i]].T) @ B[ids[i]].T,   ids[i] = -1: the base alone
 
 x (batch, ..., K), W (N, K), stacked A (n, R, K), B (n, N, R) (``fastaf.stack``: one scale per
-path, ranks zero-padded), ids (batch,) integers in [-1, n). This is the batched torch reference,
-and what runs on every device until the grouped kernels exist: one gather of each example's
-factors and two batched GEMMs, differentiable by autograd and ``torch.func`` (the gathers' VJP
-adds each example's gradient into its own adapter's slot), traceable by ``torch.compile``.
+path, ranks zero-padded), ids (batch,) integers in [-1, n). Each example is one *segment* of
+``S = x.numel() // (batch * K)`` rows. Layers of this file, bottom up:
+
+1. The torch reference: one gather of each segment's factors and two batched GEMMs.
+2. Two ``torch.library`` ops, ``fastaf::lora_multi_fwd`` / ``fastaf::lora_multi_bwd``, on the
+   grouped Triton kernels (``fastaf.kernels.lora_multi``: the base GEMM once, the LoRA per
+   segment, ids read on the device) or on the reference, with fakes for ``torch.compile``.
+3. ``_LoRAMultiFn``, the autograd.Function joining them (plain autograd, ``torch.func.grad``).
+4. ``lora_linear_multi``, what ``functional_call(..., adapter_ids=)`` calls per layer.
+
+LoRA dropout in training takes the reference (a fresh torch dropout mask per call).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
+from ._lora_linear import _direct_ok
+
+# ---- 1. reference ----------------------------------------------------------------------------
 
 
 def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -> Tensor:
@@ -32,28 +44,163 @@ def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -
     return ids
 
 
+def _segments(t: Tensor, ids: Tensor) -> Tensor:
+    """(T, D) rows -> (len(ids), S, D) segments."""
+    return t.reshape(ids.shape[0], t.shape[0] // max(ids.shape[0], 1), t.shape[-1])
+
+
+def _gathered(a: Tensor, b: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each segment's factors, A (n_seg, R, K) and B (n_seg, N, R), and its 0/1 gate (n_seg, 1, 1)."""
+    slot = ids.clamp(min=0).long()
+    return a[slot], b[slot], (ids >= 0).to(a.dtype)[:, None, None]
+
+
+def reference_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """(y (T, N), h fp32 (T, R)): x (T, K) in len(ids) segments, a (n, R, K), b (n, N, R)."""
+    A, B, gate = _gathered(a, b, ids)
+    h = torch.bmm(_segments(x, ids), A.transpose(1, 2)) * gate  # (n_seg, S, R)
+    y = F.linear(x, weight, bias) + scale * torch.bmm(h, B.transpose(1, 2)).reshape(x.shape[0], weight.shape[0])
+    return y, h.reshape(x.shape[0], a.shape[1]).float()
+
+
+def reference_bwd(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, ids: Tensor,
+                  scale: float, needs_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx (T, K) or (0, 0), dA fp32 (n, R, K), dB fp32 (n, N, R)): slots shared by segments add up."""
+    A, B, gate = _gathered(a, b, ids)
+    dys, hs = _segments(dy, ids), _segments(h.to(dy.dtype), ids)
+    dh = scale * torch.bmm(dys, B) * gate  # (n_seg, S, R)
+    slot = ids.clamp(min=0).long()
+    db = torch.zeros(b.shape, device=b.device, dtype=torch.float32).index_add_(
+        0, slot, (scale * torch.bmm(dys.transpose(1, 2), hs) * gate).float())
+    da = torch.zeros(a.shape, device=a.device, dtype=torch.float32).index_add_(
+        0, slot, torch.bmm(dh.transpose(1, 2), _segments(x, ids)).float())
+    dx = (dy @ weight + torch.bmm(dh, A).reshape(x.shape)) if needs_dx else dy.new_empty(0, 0)
+    return dx, da, db
+
+
+# ---- 2. torch.library ops ----------------------------------------------------------------------
+
+_kernels_module = None
+
+
+def _kernels():
+    """``fastaf.kernels.lora_multi``, imported on first use: triton loads only when a kernel runs."""
+    global _kernels_module
+    if _kernels_module is None:
+        from ..kernels import lora_multi
+
+        _kernels_module = lora_multi
+    return _kernels_module
+
+
+def _use_kernels(impl: str, x: Tensor, a: Tensor) -> bool:
+    if impl == "torch" or x.shape[0] == 0:
+        return False
+    if impl == "triton":
+        if not _kernels().supported(x, a):
+            raise RuntimeError(f"impl='triton': the grouped kernels cannot run on x {tuple(x.shape)} {x.dtype} "
+                               f"on {x.device} with a stack of rank {a.shape[1]}")
+        return True
+    return x.is_cuda and _kernels().supported(x, a)
+
+
+def _fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
+                   scale: float, impl: str) -> tuple[Tensor, Tensor]:
+    """(y (T, N), h fp32 (T, R)); see ``reference_fwd``."""
+    if _use_kernels(impl, x, a):
+        return _kernels().multi_fwd(x, weight, bias, a, b, ids, scale)
+    return reference_fwd(x, weight, bias, a, b, ids, scale)
+
+
+lora_multi_fwd = torch.library.custom_op("fastaf::lora_multi_fwd", mutates_args=())(_fwd_impl)
+
+
+@lora_multi_fwd.register_fake
+def _(x, weight, bias, a, b, ids, scale, impl):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], a.shape[1], dtype=torch.float32)
+
+
+def _bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, ids: Tensor,
+                   scale: float, needs_dx: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx (T, K), or (0, 0) when not needed; dA fp32 (n, R, K); dB fp32 (n, N, R))."""
+    if _use_kernels(impl, x, a):
+        dx, da, db = _kernels().multi_bwd(dy, x, weight, a, b, h, ids, scale, needs_dx)
+        return (dy.new_empty(0, 0) if dx is None else dx), da, db
+    return reference_bwd(dy, x, weight, a, b, h, ids, scale, needs_dx)
+
+
+lora_multi_bwd = torch.library.custom_op("fastaf::lora_multi_bwd", mutates_args=())(_bwd_impl)
+
+
+@lora_multi_bwd.register_fake
+def _(dy, x, weight, a, b, h, ids, scale, needs_dx, impl):
+    dx = dy.new_empty(x.shape) if needs_dx else dy.new_empty(0, 0)
+    return dx, a.new_empty(a.shape, dtype=torch.float32), b.new_empty(b.shape, dtype=torch.float32)
+
+
+# ---- 3. the differentiable op ------------------------------------------------------------------
+
+
+class _LoRAMultiFn(torch.autograd.Function):
+    """Custom VJP of the grouped LoRA linear: x (T, K), a / b stacked in x's dtype, ids per segment."""
+
+    @staticmethod
+    def forward(x, weight, bias, a, b, ids, scale, impl):
+        # eager calls skip the dispatcher (~150 us of host time per call); tracers need the op
+        fwd = _fwd_impl if _direct_ok(x, weight, bias, a, b, ids) else lora_multi_fwd
+        return fwd(x, weight, bias, a, b, ids, scale, impl)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, a, b, ids, scale, impl = inputs
+        ctx.save_for_backward(x, weight, a, b, output[1], ids)
+        ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dy, _dh):
+        x, weight, a, b, h, ids = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else lora_multi_bwd
+        with torch.no_grad():  # first-order: keep the call a plain op call (see _LoRALinearFn)
+            dx, da, db = bwd(dy, x, weight, a, b, h, ids, ctx.scale, needs[0], ctx.impl)
+        dw = dy.transpose(0, 1) @ x if needs[1] else None
+        dbias = dy.sum(0) if needs[2] and ctx.has_bias else None
+        return (dx if needs[0] else None), dw, dbias, da.to(a.dtype), db.to(b.dtype), None, None, None
+
+
+# ---- 4. the public function --------------------------------------------------------------------
+
+
+def _reference_with_dropout(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
+    """Training with LoRA dropout: a torch dropout mask on the LoRA branch's input, autograd's VJP."""
+    base = F.linear(x, weight, bias)
+    A, B, gate = _gathered(lora.A.to(x.dtype), lora.B.to(x.dtype), ids)
+    xs = F.dropout(_segments(x.reshape(-1, x.shape[-1]), ids), lora.dropout, training=True)
+    delta = torch.bmm(torch.bmm(xs, A.transpose(1, 2)), B.transpose(1, 2)) * (gate * lora.scale)
+    return base + delta.reshape(base.shape)
+
+
 def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA, ids: Tensor, *,
-                      training: bool = False) -> Tensor:
+                      training: bool = False, impl: str = "auto") -> Tensor:
     """``F.linear(x, weight, bias)`` plus, for each example i, the LoRA of slot ``ids[i]``.
 
     Args:
-        x: (batch, ..., K).
+        x: (batch, ..., K); example i is the S = x.numel() // (batch * K) rows x[i].
         weight: (N, K); bias: (N,) or None.
         lora: stacked, A (n, R, K) and B (n, N, R); cast to x's dtype (gradients flow back).
-        ids: (batch,) int32/int64 in [-1, n); -1 is the base model.
+        ids: (batch,) int32/int64 in [-1, n); -1 is the base model. Moved to x's device.
         training: apply ``lora.dropout`` to the LoRA branch's input.
+        impl: "auto" (grouped kernels on CUDA, the reference elsewhere), "triton" or "torch".
     Returns:
         (batch, ..., N).
     """
-    base = F.linear(x, weight, bias)
-    rows, K = x.shape[0], x.shape[-1]
-    slot = ids.clamp(min=0).long()
-    A = lora.A.to(x.dtype)[slot]  # (batch, R, K)
-    B = lora.B.to(x.dtype)[slot]  # (batch, N, R)
-    gate = (ids >= 0).to(x.dtype) * lora.scale  # (batch,): 0 for the base-only rows
-    xs = x.reshape(rows, -1, K)  # (batch, T, K)
+    if ids.device != x.device:
+        ids = ids.to(x.device, non_blocking=True)
     if training and lora.dropout:
-        xs = F.dropout(xs, lora.dropout, training=True)
-    h = torch.bmm(xs, A.transpose(1, 2))  # (batch, T, R)
-    delta = torch.bmm(h, B.transpose(1, 2)) * gate[:, None, None]  # (batch, T, N)
-    return base + delta.reshape(base.shape)
+        return _reference_with_dropout(x, weight, bias, lora, ids)
+    x2 = x.reshape(-1, x.shape[-1])
+    y, _ = _LoRAMultiFn.apply(x2, weight, bias, lora.A.to(x.dtype), lora.B.to(x.dtype), ids,
+                              float(lora.scale), impl)
+    return y.view(*x.shape[:-1], weight.shape[0])

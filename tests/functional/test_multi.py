@@ -113,3 +113,71 @@ def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     stack = fa.stack([fa.Adapter({"proj": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2))})] * 2)
     with pytest.raises(ValueError, match="2 entries but the layer's input has 4 rows"):
         fa.functional_call(model, stack, (torch.randn(2, 4, 6),), adapter_ids=torch.tensor([0, 1]))
+
+
+# ---- the grouped op itself: the kernels (TRITON_INTERPRET=1 on CPU) against the reference -----
+
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def _op_inputs(batch, seq, seed=0, K=24, N=20):
+    g = torch.Generator().manual_seed(seed)
+    ads = [fa.LoRA(torch.randn(r, K, generator=g), torch.randn(N, r, generator=g), 0.5 + i)
+           for i, r in enumerate((2, 5, 3))]  # ranks and scales differ: the stack pads and folds
+    stack = fa.stack([fa.Adapter({"l": lo}) for lo in ads])["l"]
+    x = torch.randn(batch, seq, K, generator=g)
+    return x, torch.randn(N, K, generator=g), torch.randn(N, generator=g), stack
+
+
+@needs_triton
+@pytest.mark.parametrize("batch,seq", [(5, 7), (5, 1), (3, 0)])
+def test_grouped_kernels_equal_the_reference_values_and_gradients(batch, seq):
+    from fastaf.functional._multi import lora_linear_multi
+
+    x, w, bias, stack = _op_inputs(batch, seq)
+    ids = IDS[:batch]
+
+    def run(impl, x, A, B):
+        lo = fa.LoRA(A, B, stack.scale)
+        return lora_linear_multi(x, w, bias, lo, ids, impl=impl)
+
+    args = (x.requires_grad_(), stack.A.requires_grad_(), stack.B.requires_grad_())
+    dy = torch.randn(batch, seq, w.shape[0])
+    outs = {}
+    for impl in ("triton", "torch"):
+        y = run(impl, *args)
+        outs[impl] = (y, *torch.autograd.grad(y, args, dy))
+        # torch.func.grad over the stack reaches the same VJP
+        fgrad = torch.func.grad(lambda A, B: (run(impl, x.detach(), A, B) * dy).sum(), argnums=(0, 1))
+        outs[impl] += fgrad(stack.A.detach(), stack.B.detach())
+    for name, got, want in zip(("y", "dx", "dA", "dB", "func dA", "func dB"), outs["triton"], outs["torch"]):
+        assert got.shape == want.shape, name
+        assert rel_err(got, want) < 1e-5 or want.abs().max() == 0 and got.abs().max() == 0, name
+    # the unused slot 1 of IDS[:3] = [2, -1, 0] gets no gradient
+    if batch == 3:
+        assert outs["triton"][2][1].abs().max() == 0
+
+
+@needs_triton
+def test_vmap_over_a_stack_takes_the_grouped_kernels_and_equals_a_loop():
+    x, w, bias, stack = _op_inputs(3, 6)
+    f = lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl="triton")
+    got = torch.func.vmap(f)(x, stack)
+    want = torch.stack([f(x[i], fa.LoRA(stack.A[i], stack.B[i], stack.scale)) for i in range(3)])
+    assert rel_err(got, want) < 1e-5
+    loss = lambda st: (torch.func.vmap(f)(x, st) ** 2).sum()
+    g = torch.func.grad(loss)(stack)
+    g_ref = torch.func.grad(lambda st: (torch.func.vmap(
+        lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl="torch"))(x, st) ** 2).sum())(stack)
+    assert rel_err(g.A, g_ref.A) < 1e-5 and rel_err(g.B, g_ref.B) < 1e-5
+
+
+def test_grouped_op_compiles_without_graph_breaks():
+    from fastaf.functional._multi import lora_linear_multi
+
+    x, w, bias, stack = _op_inputs(5, 4)
+    fn = lambda x, A, B: lora_linear_multi(x, w, bias, fa.LoRA(A, B, stack.scale), IDS)
+    explain = torch._dynamo.explain(fn)(x, stack.A, stack.B)
+    assert explain.graph_break_count == 0, explain.break_reasons

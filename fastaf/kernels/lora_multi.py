@@ -1,0 +1,407 @@
+"""Grouped LoRA kernels: many adapters in one batch, one segment of rows per adapter slot.
+
+    y[t] = x[t] @ W.T + bias + s * (x[t] @ A[g].T) @ B[g].T,   g = ids[t // S],  ids[...] = -1: base only
+
+x (T, K) holds ``len(ids)`` segments of S consecutive rows (a batch of ``len(ids)`` examples of S
+tokens each, or the vmap axis folded over M rows); A (n, R, K) and B (n, N, R) are the stacked
+factors (ranks zero-padded to R by ``fastaf.stack``); ids (len(ids),) int32/int64 stays on the
+device: every kernel reads its segment's slot itself, so nothing syncs with the host and the
+launches are CUDA-graph safe. This is what SGMV (punica) does for serving, with the backward too.
+
+Jobs, as launches:
+- ``fwd``: h = x @ A[g].T (``_multi_h_kernel``, fp32 (T, R)), the base GEMM y = x @ W.T + bias
+  (cuBLAS), then y += s * h @ B[g].T (``_multi_expand_kernel``, in place, skipped for -1 rows);
+- ``bwd``: dh = s * dy @ B[g] and dB[g] += s * dy.T @ h (``_multi_bwd_dy_kernel``, dy read once),
+  dA[g] += dh.T @ x (``_multi_bwd_da_kernel``), dx = dy @ W (cuBLAS) += dh @ A[g] (expand again).
+dA and dB accumulate in fp32 with atomics, so segments that share a slot add up in any order.
+
+Every kernel's grid is (segment, block within the segment, split): a block never straddles two
+segments, so each program does dense tensor-core dots against one adapter's factors. A decode
+batch (S = 1) runs 16-row blocks with one live row; the factors it reads are what it must read.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from .lora_linear_kernels import _tile_coords
+from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available
+from .lora_linear_configs import MAX_RANK
+from .lora_linear_plan import _dot_precision, _meta, _r_pad
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------
+
+INTERPRET_BLOCKS = dict(BLOCK_K=32, BLOCK_N=16)  # small tiles: odd shapes exercise every tail
+# the fused GEMM: lora_linear's Hopper default (BENCH.md: 1.00-1.05x cuBLAS at 8B shapes)
+GEMM = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+FUSE_MIN_ROWS = 1024  # from this many rows the fused GEMM replaces cuBLAS + the expand kernel
+GEMM_INTERPRET = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
+
+
+def _block_m(S: int) -> int:
+    """Rows per block: the segment length rounded up to tl.dot's 16, at most 64."""
+    return min(64, max(16, triton.next_power_of_2(S)))
+
+
+def _blocks(device: torch.device) -> dict:
+    return INTERPRET_BLOCKS if device.type != "cuda" else dict(BLOCK_K=128, BLOCK_N=128)
+
+
+def _splits(device: torch.device, programs: int, steps: int) -> int:
+    """Split a loop of ``steps`` blocks over enough programs to fill the GPU twice (<= steps)."""
+    if device.type != "cuda":
+        return min(2, steps)
+    sms = _device_info(device.index)[1]
+    return max(1, min(steps, -(-2 * sms // max(programs, 1))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _segment_program():
+    """(segment, block, split) program ids: every segment kernel's grid is laid out this way."""
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
+def _multi_h_kernel(
+    # pointers
+    x_ptr, a_ptr, ids_ptr, h_ptr,
+    # sizes
+    S, K, R,
+    # strides (h is contiguous fp32 (T, R))
+    stride_xm, stride_xk, stride_ag, stride_ar, stride_ak,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[rows] = x[rows] @ A[g].T for one block of one segment and one of SPLIT_K chunks of K.
+
+    SPLIT_K > 1 adds the chunks atomically into a zeroed h; -1 segments leave h at zero.
+    """
+    seg, pid_m, pid_k = _segment_program()
+    slot = tl.load(ids_ptr + seg).to(tl.int64)
+    offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = seg.to(tl.int64) * S + offs_s
+    offs_r = tl.arange(0, R_PAD)
+    mask = (offs_s[:, None] < S) & (offs_r[None, :] < R)
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    if slot >= 0:
+        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_end = tl.minimum(pid_k * chunk + chunk, K)
+        a_base = a_ptr + slot * stride_ag
+        for k0 in range(pid_k * chunk, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=(offs_s[:, None] < S) & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+            at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                         mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
+            acc = tl.dot(x, at.to(x.dtype), acc, input_precision=DOT_PRECISION)
+        ptrs = h_ptr + rows[:, None] * R + offs_r[None, :]
+        if SPLIT_K == 1:
+            tl.store(ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _multi_expand_kernel(
+    # pointers
+    h_ptr, u_ptr, ids_ptr, y_ptr,
+    # sizes
+    S, N, R,
+    # strides (h contiguous fp32 (T, R); u (n, R, N) by strides; y (T, N))
+    stride_ug, stride_ur, stride_un, stride_ym, stride_yn,
+    # scalars
+    scale,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """y[rows, n-block] += s * h[rows] @ u[g][:, n-block] in place; -1 segments are left alone."""
+    seg, pid_m, pid_n = _segment_program()
+    slot = tl.load(ids_ptr + seg).to(tl.int64)
+    if slot >= 0:
+        dtype = y_ptr.dtype.element_ty
+        offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = seg.to(tl.int64) * S + offs_s
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, R_PAD)
+        mask_m = offs_s < S
+        mask_n = offs_n < N
+        h = tl.load(h_ptr + rows[:, None] * R + offs_r[None, :],
+                    mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0)  # (BLOCK_M, R_PAD) fp32
+        u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
+                    mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        y = tl.load(y_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        y = tl.dot((h * scale).to(dtype), u.to(dtype), y, input_precision=DOT_PRECISION)
+        tl.store(y_ptrs, y.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _multi_bwd_dy_kernel(
+    # pointers
+    dy_ptr, b_ptr, h_ptr, ids_ptr, dh_ptr, db_ptr,
+    # sizes
+    S, N, R,
+    # strides (h, dh contiguous fp32 (T, R); db contiguous fp32 (n, N, R))
+    stride_dym, stride_dyn, stride_bg, stride_bn, stride_br,
+    # scalars
+    scale,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dh[rows] (+)= s * dy[rows] @ B[g] and dB[g] += s * dy[rows].T @ h[rows] over one of SPLIT_N
+    chunks of N; dy is read once. dh must be zeroed when SPLIT_N > 1 (and for -1 segments)."""
+    seg, pid_m, pid_s = _segment_program()
+    slot = tl.load(ids_ptr + seg).to(tl.int64)
+    if slot >= 0:
+        offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = seg.to(tl.int64) * S + offs_s
+        offs_r = tl.arange(0, R_PAD)
+        mask_m = offs_s < S
+        mask_r = offs_r < R
+        dtype = dy_ptr.dtype.element_ty
+        h = tl.load(h_ptr + rows[:, None] * R + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0).to(dtype)  # (BLOCK_M, R_PAD)
+        chunk = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT_N) * BLOCK_N
+        n_end = tl.minimum(pid_s * chunk + chunk, N)
+        dh = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for n0 in range(pid_s * chunk, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_end
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                         mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
+            b = tl.load(b_ptr + slot * stride_bg + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                        mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dtype)  # (BLOCK_N, R_PAD)
+            dh = tl.dot(dy, b, dh, input_precision=DOT_PRECISION)
+            db = tl.dot(tl.trans(dy), h, input_precision=DOT_PRECISION)  # (BLOCK_N, R_PAD)
+            tl.atomic_add(db_ptr + slot * N * R + offs_n[:, None] * R + offs_r[None, :], db * scale,
+                          mask=mask_n[:, None] & mask_r[None, :], sem="relaxed")
+        dh_ptrs = dh_ptr + rows[:, None] * R + offs_r[None, :]
+        if SPLIT_N == 1:
+            tl.store(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :])
+        else:
+            tl.atomic_add(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
+
+
+@triton.jit
+def _multi_bwd_da_kernel(
+    # pointers
+    dh_ptr, x_ptr, ids_ptr, da_ptr,
+    # sizes
+    S, K, R,
+    # strides (dh contiguous fp32 (T, R); da contiguous fp32 (n, R, K))
+    stride_xm, stride_xk,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dA[g][:, k-block] += dh[rows].T @ x[rows, k-block] over one of SPLIT_M chunks of the segment."""
+    seg, pid_k, pid_s = _segment_program()
+    slot = tl.load(ids_ptr + seg).to(tl.int64)
+    if slot >= 0:
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, R_PAD)
+        mask_k = offs_k < K
+        mask_r = offs_r < R
+        chunk = tl.cdiv(tl.cdiv(S, BLOCK_M), SPLIT_M) * BLOCK_M
+        s_end = tl.minimum(pid_s * chunk + chunk, S)
+        acc = tl.zeros((R_PAD, BLOCK_K), dtype=tl.float32)
+        for s0 in range(pid_s * chunk, s_end, BLOCK_M):
+            offs_s = s0 + tl.arange(0, BLOCK_M)
+            rows = seg.to(tl.int64) * S + offs_s
+            mask_m = offs_s < s_end
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+            dh = tl.load(dh_ptr + rows[None, :] * R + offs_r[:, None],
+                         mask=mask_m[None, :] & mask_r[:, None], other=0.0).to(x.dtype)  # (R_PAD, BLOCK_M)
+            acc = tl.dot(dh, x, acc, input_precision=DOT_PRECISION)
+        tl.atomic_add(da_ptr + slot * R * K + offs_r[:, None] * K + offs_k[None, :], acc,
+                      mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
+
+
+@triton.jit
+def _multi_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, h_ptr, u_ptr, ids_ptr, bias_ptr, y_ptr,
+    # sizes
+    M, N, K, R, S, NSEG,
+    # strides (h contiguous fp32 (M, R); u (n, R, N) by strides; w's row stride, its other unit)
+    stride_xm, stride_w, stride_ug, stride_ur, stride_un, stride_ym,
+    # scalars
+    NUM_PROGRAMS, l_scale,
+    # meta
+    HAS_BIAS: tl.constexpr, W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Persistent y = x @ w + [bias] + s * h @ u[g] per segment, TMA tiles: the base GEMM once for
+    every row, then one (BLOCK_M, R_PAD) @ (R_PAD, BLOCK_N) dot per segment the tile meets."""
+    dtype = y_ptr.dtype.element_ty
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if W_K_CONTIG:  # w (N, K) row-major: load (BLOCK_N, BLOCK_K) tiles and transpose
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:  # w (K, N) row-major
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_w, 1], block_shape=[BLOCK_K, BLOCK_N])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
+    offs_r = tl.arange(0, R_PAD)
+    for tile_id in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if W_K_CONTIG:
+                wt = w_desc.load([off_n, k0]).T
+            else:
+                wt = w_desc.load([k0, off_n])
+            acc = tl.dot(x_desc.load([off_m, k0]), wt, acc, input_precision=DOT_PRECISION)
+        offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        seg_end = tl.minimum((off_m + BLOCK_M - 1) // S, NSEG - 1)
+        for seg in range(off_m // S, seg_end + 1):
+            slot = tl.load(ids_ptr + seg).to(tl.int64)
+            if slot >= 0:
+                rows = (offs_m >= seg * S) & (offs_m < seg * S + S)
+                h = tl.load(h_ptr + offs_m[:, None] * R + offs_r[None, :],
+                            mask=rows[:, None] & (offs_r[None, :] < R), other=0.0)
+                u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur
+                            + offs_n[None, :].to(tl.int64) * stride_un,
+                            mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)
+                acc = tl.dot((h * l_scale).to(dtype), u.to(dtype), acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
+        y_desc.store([off_m, off_n], acc.to(dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+# (kernel, pointer args, int args): see _launch
+_SITES = {
+    "h": _launch.LaunchSite(_multi_h_kernel, 4, 8),
+    "expand": _launch.LaunchSite(_multi_expand_kernel, 4, 8),
+    "bwd_dy": _launch.LaunchSite(_multi_bwd_dy_kernel, 6, 8),
+    "bwd_da": _launch.LaunchSite(_multi_bwd_da_kernel, 4, 5),
+    "gemm": _launch.LaunchSite(_multi_gemm_kernel, 7, 12),
+}
+
+
+def supported(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """The grouped kernels can run on x with a stack of rank ``a.shape[1]``."""
+    return available(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and a.shape[1] <= MAX_RANK
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """h = x @ A[g].T as fp32 (T, R), zero on -1 segments. x (T, K), a (n, R, K), ids (T // S,)."""
+    T, K = x.shape
+    R = a.shape[1]
+    S = T // ids.shape[0]
+    bm, bk = _block_m(S), _blocks(x.device)["BLOCK_K"]
+    grid = [ids.shape[0], triton.cdiv(S, bm), 1]
+    grid[2] = _splits(x.device, grid[0] * grid[1], triton.cdiv(K, bk))
+    h = torch.zeros((T, R), device=x.device, dtype=torch.float32)
+    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=grid[2],
+                      DOT_PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3)
+    _SITES["h"](grid, (x, a, ids, h, S, K, R, x.stride(0), x.stride(1), *a.stride()), meta, key)
+    return h
+
+
+def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """y += s * h @ u[g] in place, per segment. y (T, N), h fp32 (T, R), u (n, R, N) any strides."""
+    T, N = y.shape
+    R = h.shape[1]
+    S = T // ids.shape[0]
+    bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
+    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_dot_precision(y.dtype),
+                      num_warps=4, num_stages=2)
+    _SITES["expand"]((ids.shape[0], triton.cdiv(S, bm), triton.cdiv(N, bn)),
+                     (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
+    return y
+
+
+def _fused_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
+    """The persistent TMA GEMM can run: Hopper (or the interpreter), 16-byte rows everywhere."""
+    return (_hopper(x.device) and _rows_tma_ready(x) and (_tma_2d(w_kn, 0) or _tma_2d(w_kn, 1))
+            and (w_kn.shape[1] * x.element_size()) % 16 == 0)
+
+
+def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
+               u: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """y = x @ w_kn + bias + s * h @ u[g] per segment in one persistent kernel. x (T, K),
+    w_kn (K, N) with unit stride on either dim (``weight.T`` in forward, ``weight`` for dx),
+    h fp32 (T, R), u (n, R, N) any strides."""
+    T, K = x.shape
+    N, R = w_kn.shape[1], h.shape[1]
+    k_contig = w_kn.stride(0) == 1
+    y = torch.empty((T, N), device=x.device, dtype=x.dtype)
+    conf = GEMM_INTERPRET if x.device.type != "cuda" else GEMM
+    tiles = triton.cdiv(T, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
+    programs = max(1, min(tiles, 2 if x.device.type != "cuda" else _device_info(x.device.index)[1]))
+    meta, key = _meta(HAS_BIAS=bias is not None, W_K_CONTIG=k_contig, R_PAD=_r_pad(R),
+                      DOT_PRECISION=_dot_precision(x.dtype), **conf)
+    if x.is_cuda:
+        _ensure_allocator()
+    _SITES["gemm"]((programs,), (
+        x, w_kn, h, u, ids, x if bias is None else bias, y,
+        T, N, K, R, T // ids.shape[0], ids.shape[0], x.stride(0), w_kn.stride(1 if k_contig else 0), *u.stride(),
+        y.stride(0), programs, float(scale)), meta, key)
+    return y
+
+
+def multi_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
+              b: torch.Tensor, ids: torch.Tensor, scale: float, fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y (T, N) in x's dtype, h fp32 (T, R)). x (T, K), weight (N, K), bias (N,) or None,
+    a (n, R, K), b (n, N, R) in x's dtype, ids (T // S,) int32/int64 on x's device."""
+    h = shrink(x, a, ids)
+    if fused if fused is not None else (x.shape[0] >= FUSE_MIN_ROWS and _fused_ok(x, weight.T)):
+        return fused_gemm(x, weight.T, bias, h, b.transpose(1, 2), ids, scale), h
+    y = torch.nn.functional.linear(x, weight, bias)
+    return expand_(y, h, b.transpose(1, 2), ids, scale), h
+
+
+def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              h: torch.Tensor, ids: torch.Tensor, scale: float,
+              needs_dx: bool, fused: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(dx (T, K) in x's dtype or None, dA fp32 (n, R, K), dB fp32 (n, N, R)); shapes as in forward."""
+    T, N = dy.shape
+    K, R = x.shape[1], a.shape[1]
+    n_seg = ids.shape[0]
+    S = T // n_seg
+    dev = x.device
+    bm, blocks = _block_m(S), _blocks(dev)
+    prec = _dot_precision(x.dtype)
+    split_n = _splits(dev, n_seg * triton.cdiv(S, bm), triton.cdiv(N, blocks["BLOCK_N"]))
+    dh = torch.zeros((T, R), device=dev, dtype=torch.float32)
+    db = torch.zeros(b.shape, device=dev, dtype=torch.float32)
+    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_N=blocks["BLOCK_N"], SPLIT_N=split_n,
+                      DOT_PRECISION=prec, num_warps=4, num_stages=3)
+    _SITES["bwd_dy"]((n_seg, triton.cdiv(S, bm), split_n), (
+        dy, b, h, ids, dh, db, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
+    bk = blocks["BLOCK_K"]
+    split_m = _splits(dev, n_seg * triton.cdiv(K, bk), triton.cdiv(S, bm))
+    da = torch.zeros(a.shape, device=dev, dtype=torch.float32)
+    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_K=bk, SPLIT_M=split_m, DOT_PRECISION=prec,
+                      num_warps=4, num_stages=3)
+    _SITES["bwd_da"]((n_seg, triton.cdiv(K, bk), split_m), (dh, x, ids, da, S, K, R, x.stride(0), x.stride(1)),
+                     meta, key)
+    if not needs_dx:
+        return None, da, db
+    if fused if fused is not None else (T >= FUSE_MIN_ROWS and _fused_ok(dy, weight)):
+        return fused_gemm(dy, weight, None, dh, a, ids, 1.0), da, db
+    dx = expand_(dy @ weight, dh, a, ids, 1.0)
+    return dx, da, db
