@@ -14,6 +14,10 @@ gradients are averaged explicitly with ``all_reduce_grads``::
     grads, loss = torch.func.grad_and_value(loss_fn)(adapter, local_batch)   # data parallel
     grads = fa.distributed.all_reduce_grads(grads)     # the mean over ranks, every rank
 
+The stateful layer (``fa.init(model)``) under HF ``Trainer`` or accelerate with FSDP2 needs none
+of this: its adapters are Parameters of the root module, which FSDP2 shards, gathers and averages
+itself (``examples/train_trainer_fsdp.py``).
+
 Nothing here communicates on its own schedule: each function is one or a few collectives that
 every rank of ``group`` must call, in the same order.
 """
