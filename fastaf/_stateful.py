@@ -8,7 +8,8 @@ A thin layer over the functional core for code that expects a stateful model (HF
   optimizers and ``Trainer`` see them. The base parameters are frozen; only the active adapter's
   factors require grad, so an optimizer built from the trainable parameters gets exactly those.
 - Each module the active adapter targets gets a forward pre-hook and an always-called forward
-  hook that enter and leave a mode adapting that module's weight (``functional.module_mode``):
+  hook that enter and leave a mode adapting that module's weights (``functional.module_mode``;
+  for an expert LoRA, the module holding the parameter, e.g. ``mlp.experts``):
   the same fused ``lora_linear`` op as ``fastaf.functional_call``, wherever the module runs:
   ``model(...)``, ``generate``'s encoder and vision tower, a submodule called on its own, a
   checkpointed layer's recompute. Modules the active adapter does not target carry no hook and
@@ -41,24 +42,32 @@ _ATTR = "fastaf"  # name of the registry submodule on the model
 
 
 class _LoRAParams(nn.Module):
-    """One module path's LoRA factors, trainable: A (r, in), B (out, r)."""
+    """One adapter key's LoRA factors, trainable: A (r, in), B (out, r), or (E, r, in) /
+    (E, out, r) for an expert LoRA."""
 
     def __init__(self, path: str, lora: LoRA) -> None:
         super().__init__()
         self.path = path
         self.scale = float(lora.scale)
         self.dropout = float(lora.dropout)
+        self.experts = lora.experts
         # Copies: optimizers update these in place, and the caller's Adapter is a value.
         self.A = nn.Parameter(lora.A.detach().clone(), requires_grad=False)
         self.B = nn.Parameter(lora.B.detach().clone(), requires_grad=False)
 
     def lora(self, *, detach: bool) -> LoRA:
         if detach:
-            return LoRA(self.A.detach().clone(), self.B.detach().clone(), self.scale, self.dropout)
-        return LoRA(self.A, self.B, self.scale, self.dropout)
+            return LoRA(self.A.detach().clone(), self.B.detach().clone(), self.scale, self.dropout, self.experts)
+        return LoRA(self.A, self.B, self.scale, self.dropout, self.experts)
+
+    @property
+    def owner(self) -> str:
+        """The path of the module whose forward applies this LoRA (a parameter's module for experts)."""
+        return self.path.rpartition(".")[0] if self.experts else self.path
 
     def extra_repr(self) -> str:
-        return f"path={self.path!r}, r={self.A.shape[0]}, scale={self.scale:g}, dropout={self.dropout:g}"
+        return (f"path={self.path!r}, r={self.A.shape[-2]}, scale={self.scale:g}, dropout={self.dropout:g}"
+                + (f", experts={self.A.shape[0]}" if self.experts else ""))
 
 
 class _AdapterSlot(nn.ModuleDict):
@@ -82,8 +91,8 @@ class _Registry(nn.Module):
         super().__init__()
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
-        self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by path
-        self.hooked: dict[str, tuple] = {}  # path -> (pre-hook id, hook id) on that module
+        self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
+        self.hooked: dict[str, tuple] = {}  # module path -> (pre-hook id, hook id) on that module
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}"
@@ -102,11 +111,13 @@ class _Registry(nn.Module):
             modules[path]._forward_hooks.pop(post_id, None)
             modules[path]._forward_hooks_always_called.pop(post_id, None)
         self.hooked, self.active = {}, name
-        paths = [] if name is None else [p.path for p in self.slot(name).values()]
+        owners: dict[str, list[str]] = {}  # module path -> the keys its forward applies
+        for p in [] if name is None else self.slot(name).values():
+            owners.setdefault(p.owner, []).append(p.path)
         self.active_loras = {}
-        for path in paths:
-            pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, path))
-            post = modules[path].register_forward_hook(functools.partial(self.leave_module, path), always_call=True)
+        for path, keys in owners.items():
+            pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
+            post = modules[path].register_forward_hook(self.leave_module, always_call=True)
             self.hooked[path] = (pre.id, post.id)
         for slot_name, slot in self.adapters.items():
             for p in slot.parameters():
@@ -121,18 +132,19 @@ class _Registry(nn.Module):
             lora = self.active_loras[path] = params.lora(detach=False)
         return lora
 
-    def enter_module(self, path: str, module: nn.Module, args: Any) -> None:
-        # Targeted linears do not nest, so an entry of this registry still open here was left by a
-        # forward that an interrupt (KeyboardInterrupt skips always-called hooks) cut short.
+    def enter_module(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> None:
+        # Targeted modules do not nest (``_register`` checks), so an entry of this registry still
+        # open here was left by a forward that an interrupt (KeyboardInterrupt skips always-called
+        # hooks) cut short.
         _close_stale(self)
         stack = _open_modes()
         # inside functional_call the explicit adapter stands in for the active one
-        mode = None if explicit_mode_active() else module_mode(path, module, self.active_lora(path))
+        mode = None if explicit_mode_active() else module_mode(module, {k: self.active_lora(k) for k in keys})
         if mode is not None:
             mode.__enter__()
         stack.append((module, mode, self))
 
-    def leave_module(self, path: str, module: nn.Module, args: Any, output: Any) -> None:
+    def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _close(stack.pop()[1])
@@ -198,6 +210,14 @@ def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig 
         raise ValueError(f"adapter {name!r} is empty; it adapts no module")
     with _without_registry(model) as base:
         adapter_mode(base, adapter)  # raises on unknown paths, non-linear modules, shapes, devices
+    owners = sorted({p.rpartition(".")[0] if l.experts else p for p, l in adapter.items()})
+    nested = [(a, b) for a in owners for b in owners if a != b and (a == "" or b.startswith(a + "."))]
+    if nested:
+        raise ValueError(
+            f"adapter {name!r} adapts weights of {nested[0][0]!r} and of its submodule {nested[0][1]!r}; the "
+            "stateful layer applies a LoRA around its module's forward and cannot nest them: use "
+            "fastaf.functional_call"
+        )
     registry.adapters[name] = _AdapterSlot(adapter, config)
 
 

@@ -5,6 +5,8 @@ Eager attention everywhere: SDPA on CPU has no vmap batching rule, and the suite
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import (
     BartConfig,
@@ -76,9 +78,27 @@ def random_adapter(model, targets, r: int = 4, alpha: float = 8.0, seed: int = 0
     """An adapter with non-zero B (a fresh init has B = 0, which would hide errors in B's path)."""
     ad = fa.init_adapter(model, fa.LoRAConfig(r=r, alpha=alpha, targets=targets, **kw), seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    return ad.map(
-        lambda p, l: fa.LoRA(l.A, (torch.randn(l.B.shape, generator=g) * 0.1).to(l.B), l.scale, l.dropout)
-    )
+    return ad.map(lambda p, l: dataclasses.replace(l, B=(torch.randn(l.B.shape, generator=g) * 0.1).to(l.B)))
+
+
+def tiny_mixtral(seed: int = 0, dtype: torch.dtype = torch.float32, experts: str = "batched_mm"):
+    """Fused 3-D experts: gate_up_proj (E, 2I, H), down_proj (E, H, I), router mlp.gate (E, H).
+    ``experts``: transformers' experts implementation; batched_mm runs under vmap (eager's
+    nonzero and grouped_mm's histc do not)."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2,
+                                     experts_implementation=experts)
+    cfg.intermediate_size = 48  # 2I != H and I != H: a swapped layout cannot pass by accident
+    return _seeded(transformers.MixtralForCausalLM, cfg, seed, dtype)
+
+
+def tiny_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32, experts: str = "batched_mm"):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**_DECODER, moe_intermediate_size=24, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, experts_implementation=experts)
+    return _seeded(transformers.Qwen3MoeForCausalLM, cfg, seed, dtype)
 
 
 def token_batch(batch: int = 2, seq: int = 12, seed: int = 0) -> torch.Tensor:

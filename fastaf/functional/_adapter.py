@@ -4,6 +4,12 @@ A LoRA's delta is ``ΔW = scale · B @ A`` with A (r, in_features) and B (out_fe
 *stacked* LoRA carries a leading axis n on both factors, A (n, r, in) and B (n, out, r), one slot
 per adapter; ``torch.func.vmap`` maps over that axis.
 
+An *expert* LoRA (``experts=True``) adapts a parameter directly, as PEFT's ``target_parameters``
+does: a fused 3-D MoE expert parameter gets one LoRA per expert, A (E, r, in) and B (E, out, r),
+``ΔW_e = scale · B_e @ A_e``; a 2-D parameter (a router's weight) is one expert, E = 1. Its
+Adapter key is the parameter's name (``model.named_parameters()``), and the call substitutes the
+parameter with ``W + ΔW`` (see ``functional_call``). Stacked, both factors get the leading n.
+
 Both classes are registered with ``torch.utils._pytree`` (what ``torch.func`` and
 ``torch.compile`` see) and with optree under the namespace ``"fastaf"``. Flattening keeps
 ``scale`` and ``dropout`` static, so ``torch.func.grad`` over an Adapter returns an Adapter of
@@ -38,13 +44,16 @@ class LoRA:
         B: (out_features, r), or (n, out_features, r) when stacked.
         scale: float multiplier (alpha / r, or alpha / sqrt(r) with rsLoRA).
         dropout: probability with which ``x`` is dropped before ``A`` while the host module is
-            training (PEFT's ``lora_dropout``); static, like ``scale``.
+            training (PEFT's ``lora_dropout``); static, like ``scale``. Expert LoRAs have none.
+        experts: one LoRA per expert of a parameter: A (E, r, in), B (E, out, r), or
+            (n, E, r, in) / (n, E, out, r) when stacked; static.
     """
 
     A: torch.Tensor
     B: torch.Tensor
     scale: float = 1.0
     dropout: float = 0.0
+    experts: bool = False
 
     # numpy scalars then return NotImplemented from ``np.float64(0.5) * lora``, so Python calls
     # ``lora.__rmul__`` instead of numpy trying to make an array of the LoRA
@@ -68,11 +77,16 @@ class LoRA:
         return self.B.shape[-2]
 
     @property
+    def num_experts(self) -> int:
+        """E for an expert LoRA, else 0."""
+        return self.A.shape[-3] if self.experts else 0
+
+    @property
     def stacked(self) -> bool:
-        return self.A.dim() == 3
+        return self.A.dim() == (4 if self.experts else 3)
 
     def delta(self) -> torch.Tensor:
-        """ΔW = scale · B @ A: (out, in), or (n, out, in) when stacked."""
+        """ΔW = scale · B @ A: (out, in), with the leading (E,) of an expert LoRA and (n,) when stacked."""
         return self.scale * (self.B @ self.A)
 
     # ---- arithmetic ------------------------------------------------------------------------
@@ -94,7 +108,8 @@ class LoRA:
         return (
             f"LoRA(A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, scale={self.scale:g}, "
             f"dtype={self.A.dtype}, device={self.A.device}"
-            + (f", dropout={self.dropout:g})" if self.dropout else ")")
+            + (f", dropout={self.dropout:g}" if self.dropout else "")
+            + (", experts=True)" if self.experts else ")")
         )
 
 
@@ -121,8 +136,13 @@ def _check_lora(lora: LoRA, where: str) -> None:
                 f"{where}: {name} {tuple(t.shape)} has dtype {t.dtype}; LoRA factors must be "
                 "float16, bfloat16, float32 or float64"
             )
-    if A.dim() not in (2, 3) or A.dim() != B.dim():
+    if not isinstance(lora.experts, bool):
+        raise TypeError(f"{where}: experts must be True or False, got {lora.experts!r}")
+    dims = 3 if lora.experts else 2
+    if A.dim() not in (dims, dims + 1) or A.dim() != B.dim():
         raise ValueError(
+            f"{where}: A {tuple(A.shape)} and B {tuple(B.shape)} must both be (E, r, in) / (E, out, r) for an "
+            "expert LoRA, or both 4-D when stacked" if lora.experts else
             f"{where}: A {tuple(A.shape)} and B {tuple(B.shape)} must both be 2-D "
             "(r, in) / (out, r), or both 3-D when stacked"
         )
@@ -133,9 +153,10 @@ def _check_lora(lora: LoRA, where: str) -> None:
         )
     if A.shape[-2] == 0:
         raise ValueError(f"{where}: rank 0 (A {tuple(A.shape)}); a LoRA needs r >= 1")
-    if A.dim() == 3 and A.shape[0] != B.shape[0]:
+    if A.shape[:-2] != B.shape[:-2]:
         raise ValueError(
-            f"{where}: stacked A {tuple(A.shape)} and B {tuple(B.shape)} differ in the stack axis"
+            f"{where}: A {tuple(A.shape)} and B {tuple(B.shape)} differ in their leading "
+            + ("(stack, expert) axes" if lora.experts and A.dim() == 4 else "expert axis" if lora.experts else "stack axis")
         )
     if A.device != B.device:
         raise ValueError(f"{where}: A is on {A.device} but B is on {B.device}")
@@ -149,6 +170,22 @@ def _check_lora(lora: LoRA, where: str) -> None:
         raise TypeError(f"{where}: dropout must be a number, got {lora.dropout!r}")
     if not 0.0 <= lora.dropout < 1.0:
         raise ValueError(f"{where}: dropout must be in [0, 1), got {lora.dropout}")
+    if lora.experts and lora.dropout:
+        raise ValueError(
+            f"{where}: an expert LoRA (A {tuple(A.shape)}) cannot have dropout ({lora.dropout}): its delta is "
+            "folded into the parameter, so there is no input to drop (PEFT refuses it too)"
+        )
+
+
+def _layout_mismatch(a: LoRA, b: LoRA) -> str | None:
+    """Why ``a`` and ``b`` cannot be combined at one path (summed, stacked, merged), or None."""
+    if (a.in_features, a.out_features) != (b.in_features, b.out_features):
+        return "feature sizes differ"
+    if a.experts != b.experts:
+        return "one is an expert LoRA and the other is not"
+    if a.num_experts != b.num_experts:
+        return "expert counts differ"
+    return None
 
 
 def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
@@ -161,8 +198,11 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
             f"{where}: cannot add A {tuple(a.A.shape)}/B {tuple(a.B.shape)} and "
             f"A {tuple(b.A.shape)}/B {tuple(b.B.shape)}: feature sizes differ"
         )
-    if a.stacked != b.stacked or (a.stacked and a.A.shape[0] != b.A.shape[0]):
-        raise ValueError(f"{where}: cannot add a stacked and an unstacked LoRA (or stacks of different sizes)")
+    if a.experts != b.experts or a.A.shape[:-2] != b.A.shape[:-2]:
+        raise ValueError(
+            f"{where}: cannot add A {tuple(a.A.shape)} and A {tuple(b.A.shape)}: a stacked and an unstacked "
+            "LoRA, an expert and a plain one, or different stack or expert counts"
+        )
     if a.dropout != b.dropout:
         raise ValueError(
             f"{where}: cannot add LoRAs with dropout {a.dropout} and {b.dropout}; set one with "
@@ -179,11 +219,12 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
     ratio = b.scale / a.scale if a.scale != 0.0 else 0.0
     A = torch.cat([a.A.to(dtype), b.A.to(dtype)], dim=-2)
     B = torch.cat([a.B.to(dtype), (b.B * ratio).to(dtype)], dim=-1)
-    return LoRA(A, B, a.scale, a.dropout)
+    return LoRA(A, B, a.scale, a.dropout, a.experts)
 
 
 class Adapter(Mapping[str, LoRA]):
-    """Immutable mapping from module path (``model.named_modules()`` names) to ``LoRA``.
+    """Immutable mapping from module path (``model.named_modules()`` names) to ``LoRA``; an expert
+    LoRA's key is its parameter's name (``model.named_parameters()``).
 
     ``a + b`` sums deltas exactly (rank concatenation; paths in only one side are kept),
     ``c * a`` and ``-a`` scale every delta. Every operation returns a new Adapter.
@@ -268,17 +309,18 @@ class Adapter(Mapping[str, LoRA]):
 # ---- pytree registration ------------------------------------------------------------------
 
 
-def _lora_flatten(l: LoRA) -> tuple[list[Any], tuple[float, float]]:
-    return [l.A, l.B], (l.scale, l.dropout)
+def _lora_flatten(l: LoRA) -> tuple[list[Any], tuple[float, float, bool]]:
+    return [l.A, l.B], (l.scale, l.dropout, l.experts)
 
 
-def _lora_unflatten(aux: tuple[float, float], children: Iterable[Any]) -> LoRA:
+def _lora_unflatten(aux: tuple[float, float, bool], children: Iterable[Any]) -> LoRA:
     A, B = children
     new = object.__new__(LoRA)
     object.__setattr__(new, "A", A)
     object.__setattr__(new, "B", B)
     object.__setattr__(new, "scale", aux[0])
     object.__setattr__(new, "dropout", aux[1])
+    object.__setattr__(new, "experts", aux[2])
     return new
 
 
@@ -298,7 +340,7 @@ torch_pytree.register_pytree_node(
     serialized_type_name="fastaf.LoRA",
     flatten_with_keys_fn=lambda l: (
         [(torch_pytree.GetAttrKey("A"), l.A), (torch_pytree.GetAttrKey("B"), l.B)],
-        (l.scale, l.dropout),
+        (l.scale, l.dropout, l.experts),
     ),
 )
 torch_pytree.register_pytree_node(
@@ -313,7 +355,7 @@ torch_pytree.register_pytree_node(
 )
 optree.register_pytree_node(
     LoRA,
-    lambda l: ([l.A, l.B], (l.scale, l.dropout), ("A", "B")),
+    lambda l: ([l.A, l.B], (l.scale, l.dropout, l.experts), ("A", "B")),
     _lora_unflatten,
     namespace="fastaf",
 )

@@ -11,6 +11,12 @@ follow a weight swapped in when its module runs (FSDP2's unsharded weight); they
 the call returns or raises, so the model is left as it was. Under ``torch.compile`` the mode runs
 alone: tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
 without its weight meeting a rule is an error after the call, never a silently unadapted output.
+
+An expert LoRA (a targeted parameter: a fused 3-D MoE expert parameter, a router weight) has no
+linear rule to fuse into: every torch call that receives the parameter gets ``W + ΔW`` instead,
+made once per call at its first use (``fold_param``, one ``baddbmm``, as PEFT's ParamWrapper
+does), so indexing, transposes and grouped matmuls of the experts all see the adapted weight.
+Calls that only read metadata (``size``, ``data_ptr``, ...) see the parameter itself.
 """
 from __future__ import annotations
 
@@ -29,21 +35,23 @@ from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
 from ._lora_linear import lora_linear
-from ._modules import LinearSpec, linear_spec
+from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 
 
 @dataclasses.dataclass
 class _Route:
-    """Where one targeted module's weight goes: its path, module, LoRA and layout."""
+    """Where one targeted weight goes: its adapter key, module, LoRA and layout."""
 
-    path: str
-    module: nn.Module
+    path: str  # the adapter key: a module path, or a parameter's name for an expert LoRA
+    module: nn.Module  # the module holding the weight
     weight: Tensor
     lora: LoRA
-    spec: LinearSpec
-    hits: int = 0  # uses of the weight sent through lora_linear
+    spec: LinearSpec | ParamSpec  # ParamSpec: substituted by W + ΔW wherever it is used
+    name: str = "weight"  # the weight's attribute on ``module``
+    hits: int = 0  # uses of the weight sent through lora_linear (or substituted)
     calls: int = 0  # calls of the module (counted by eager functional_call's hooks)
+    merged: Tensor | None = None  # (ParamSpec) W + ΔW, made at its first use in the call
 
 
 _TensorBase = torch._C.TensorBase
@@ -51,6 +59,13 @@ _TensorBase = torch._C.TensorBase
 _TRANSPOSES = {_TensorBase.T.__get__, _TensorBase.mT.__get__, _TensorBase.t, torch.t}
 _TRANSPOSE_DIMS = {_TensorBase.transpose, torch.transpose}
 _MATMULS = {_TensorBase.matmul, torch.matmul}  # x @ y reaches a mode as Tensor.matmul
+# calls that read only a tensor's metadata: a substituted parameter is not made for these
+_METADATA = {
+    _TensorBase.size, _TensorBase.dim, _TensorBase.ndimension, _TensorBase.numel, _TensorBase.nelement,
+    _TensorBase.stride, _TensorBase.storage_offset, _TensorBase.data_ptr, _TensorBase.untyped_storage,
+    _TensorBase.is_contiguous, _TensorBase.element_size, _TensorBase.get_device, _TensorBase.is_floating_point,
+    _TensorBase.__len__, torch.Tensor.__hash__,
+}
 
 
 def _swaps(args: tuple, kwargs: dict) -> bool:
@@ -65,7 +80,9 @@ class _LoRAMode(TorchFunctionMode):
     def __init__(self, routes: dict[int, _Route], impl: str, *, explicit: bool = True,
                  ids: Tensor | None = None) -> None:
         super().__init__()
-        self.routes = routes
+        # linear routes (fused into lora_linear) and parameter routes (substituted), by weight id
+        self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
+        self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
         self.impl = impl
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
         self.ids = ids  # adapter_ids: the LoRAs are stacked and example i uses slot ids[i]
@@ -73,13 +90,52 @@ class _LoRAMode(TorchFunctionMode):
         # is held so its id is not reused
         self.views: dict[int, tuple[_Route, Tensor]] = {}
 
-    def _route(self, weight: Any) -> _Route | None:
+    def all_routes(self) -> list[_Route]:
+        return [*self.routes.values(), *self.params.values()]
+
+    def key(self, route: _Route, weight: Tensor) -> None:
+        """Route ``weight`` too (a weight swapped into the module when it runs)."""
+        route.weight, route.merged = weight, None
+        (self.params if isinstance(route.spec, ParamSpec) else self.routes)[id(weight)] = route
+
+    def _route(self, weight: Any, routes: dict[int, _Route] | None = None) -> _Route | None:
+        routes = self.routes if routes is None else routes
         if torch.compiler.is_compiling():
             # dynamo (torch 2.11) cannot id() a tensor made inside the graph: compare identities,
             # which it folds while tracing, so the scan costs nothing at run time
-            return next((r for r in self.routes.values() if r.weight is weight), None)
-        route = self.routes.get(id(weight))
+            return next((r for r in routes.values() if r.weight is weight), None)
+        route = routes.get(id(weight))
         return route if route is not None and route.weight is weight else None
+
+    def _merged(self, t: Any) -> Any:
+        """``t``, or W + ΔW when ``t`` is a routed parameter (made once per call)."""
+        route = self._route(t, self.params) if isinstance(t, Tensor) else None
+        if route is None:
+            return t
+        if route.merged is None:
+            route.merged = fold_param(route.weight, route.lora, route.spec)
+        route.hits += 1
+        return route.merged
+
+    def _is_param(self, t: Any) -> bool:
+        return isinstance(t, Tensor) and self._route(t, self.params) is not None
+
+    def _substitute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """args / kwargs with every routed parameter (also one list or tuple deep) replaced by its
+        W + ΔW, or None when no argument is one."""
+        def holds(a: Any) -> bool:
+            return self._is_param(a) or (isinstance(a, (list, tuple)) and any(self._is_param(t) for t in a))
+
+        if not any(holds(a) for a in args) and not any(holds(v) for v in kwargs.values()):
+            return None
+
+        def sub(a: Any) -> Any:
+            if isinstance(a, (list, tuple)) and holds(a):
+                merged = [self._merged(t) for t in a]
+                return merged if isinstance(a, list) else tuple(merged)
+            return self._merged(a)
+
+        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
     def _view(self, t: Any) -> _Route | None:
         """The route whose weight ``t`` is a transposed view of (made during this call), or None."""
@@ -101,6 +157,10 @@ class _LoRAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.params and func not in _METADATA:
+            swapped = self._substitute(args, kwargs)
+            if swapped is not None:
+                return func(*swapped[0], **swapped[1])
         if func in _TRANSPOSES or func in _TRANSPOSE_DIMS:
             out = func(*args, **kwargs)
             route = self._route(args[0] if args else None)
@@ -159,6 +219,75 @@ def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.Module
+             ) -> tuple[nn.Module, str, LinearSpec | ParamSpec]:
+    """(module holding the weight, its attribute name, layout) for adapter key ``path``."""
+    where = type(model).__name__
+    owner, _, name = path.rpartition(".")
+    if lora.experts:
+        module = modules.get(owner)
+        spec = param_spec(module, name) if module is not None else None
+        if spec is None:
+            what = (f"a {type(modules[path]).__name__} module" if path in modules else
+                    "no parameter" if module is None or name not in module._parameters else
+                    f"a parameter {tuple(module._parameters[name].shape)} that is not 2-D or 3-D float")
+            raise ValueError(
+                f"adapter key {path!r} holds an expert LoRA (A {tuple(lora.A.shape)}), whose key must name a 2-D "
+                f"or 3-D float parameter of {where} (model.named_parameters()); it is {what}"
+            )
+        return module, name, spec
+    module = modules.get(path)
+    if module is None:
+        if owner in modules and param_spec(modules[owner], name) is not None:
+            raise ValueError(
+                f"adapter key {path!r} is a parameter of {where}, not a module: a parameter takes an expert "
+                f"LoRA (experts=True, A (E, r, in), B (E, out, r)); got A {tuple(lora.A.shape)}"
+            )
+        close = [p for p in modules if p.endswith(path.rsplit(".", 1)[-1])][:3]
+        raise ValueError(
+            f"adapter path {path!r} is not a module of {where}" + (f" (similar: {close})" if close else "")
+        )
+    spec = linear_spec(module)
+    if spec is None:
+        raise ValueError(f"adapter path {path!r} is a {type(module).__name__}, not a linear layer")
+    return module, "weight", spec
+
+
+def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: LinearSpec | ParamSpec,
+                stacked: bool) -> None:
+    """The LoRA's stacking, shapes and device against the weight it adapts."""
+    if lora.stacked != stacked:
+        raise ValueError(
+            f"{path}: stacked LoRA A {tuple(lora.A.shape)} without adapter_ids: pass "
+            "adapter_ids=, or call functional_call inside torch.func.vmap over the stack"
+            if lora.stacked else
+            f"{path}: adapter_ids needs a stacked adapter (fastaf.stack), got A {tuple(lora.A.shape)}"
+        )
+    if isinstance(spec, ParamSpec):
+        if stacked:
+            raise ValueError(
+                f"{path}: adapter_ids cannot give each example its own LoRA on a parameter (its W + ΔW is one "
+                "tensor per call); call torch.func.vmap over the stack, or one call per adapter"
+            )
+        if (lora.num_experts, lora.in_features, lora.out_features) != (spec.num_experts, spec.in_features, spec.out_features):
+            raise ValueError(
+                f"{path}: expert LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit the parameter "
+                f"{tuple(weight.shape)} ({weight.dtype}, {spec.num_experts} expert(s) of {spec.in_features} -> "
+                f"{spec.out_features}): expected A ({spec.num_experts}, r, {spec.in_features}) and "
+                f"B ({spec.num_experts}, {spec.out_features}, r)"
+            )
+    elif (lora.in_features, lora.out_features) != (spec.in_features, spec.out_features):
+        raise ValueError(
+            f"{path}: LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit "
+            f"{type(module).__name__}({spec.in_features} -> {spec.out_features}): expected "
+            f"A (r, {spec.in_features}) and B ({spec.out_features}, r)"
+        )
+    if lora.A.device != weight.device:
+        raise ValueError(
+            f"{path}: LoRA A {tuple(lora.A.shape)} is on {lora.A.device} but the weight is on {weight.device}"
+        )
+
+
 def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
             stacked: bool = False) -> dict[int, _Route]:
     """Validate every path of ``adapter`` against ``model`` and map weight ids to routes.
@@ -169,17 +298,8 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
     check = not torch.compiler.is_compiling()
     routes: dict[int, _Route] = {}
     for path, lora in adapter.items():
-        module = modules.get(path)
-        if module is None:
-            close = [p for p in modules if p.endswith(path.rsplit(".", 1)[-1])][:3]
-            raise ValueError(
-                f"adapter path {path!r} is not a module of {type(model).__name__}"
-                + (f" (similar: {close})" if close else "")
-            )
-        spec = linear_spec(module)
-        if spec is None:
-            raise ValueError(f"adapter path {path!r} is a {type(module).__name__}, not a linear layer")
-        weight = params.get(f"{path}.weight", module.weight)
+        module, name, spec = _resolve(modules, path, lora, model)
+        weight = params.get(path if lora.experts else f"{path}.weight", getattr(module, name))
         if not check and _is_dtensor(weight):
             # compiled, one mode keys the weights at the call's start; FSDP2 swaps in the
             # unsharded weight later, which that mode would miss without a word
@@ -188,32 +308,16 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
                 "fastaf.functional_call does not follow FSDP2's unsharding yet: call it eagerly"
             )
         if check:
-            if lora.stacked != stacked:
-                raise ValueError(
-                    f"{path}: stacked LoRA A {tuple(lora.A.shape)} without adapter_ids: pass "
-                    "adapter_ids=, or call functional_call inside torch.func.vmap over the stack"
-                    if lora.stacked else
-                    f"{path}: adapter_ids needs a stacked adapter (fastaf.stack), got A {tuple(lora.A.shape)}"
-                )
-            if (lora.in_features, lora.out_features) != (spec.in_features, spec.out_features):
-                raise ValueError(
-                    f"{path}: LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit "
-                    f"{type(module).__name__}({spec.in_features} -> {spec.out_features}): expected "
-                    f"A (r, {spec.in_features}) and B ({spec.out_features}, r)"
-                )
-            if lora.A.device != weight.device:
-                raise ValueError(
-                    f"{path}: LoRA A {tuple(lora.A.shape)} is on {lora.A.device} but the weight is on {weight.device}"
-                )
+            _check_fits(path, lora, module, weight, spec, stacked)
         if id(weight) in routes:
             raise ValueError(f"{path} and {routes[id(weight)].path} share one weight tensor; adapt only one")
-        routes[id(weight)] = _Route(path, module, weight, lora, spec)
+        routes[id(weight)] = _Route(path, module, weight, lora, spec, name)
     if check:
         for path, module in modules.items():
-            w = getattr(module, "weight", None)
-            if w is not None and id(w) in routes and routes[id(w)].path != path and linear_spec(module):
+            route = routes.get(id(getattr(module, "weight", None)))
+            if route is not None and route.module is not module and linear_spec(module):
                 raise ValueError(
-                    f"{routes[id(w)].path} is adapted but its weight is tied to {path}, which would "
+                    f"{route.path} is adapted but its weight is tied to {path}, which would "
                     "get the same LoRA; adapt both or neither"
                 )
     return routes
@@ -238,11 +342,20 @@ def adapter_mode(
     return _LoRAMode(routes, impl, ids=adapter_ids)
 
 
-def module_mode(path: str, module: nn.Module, lora: LoRA, *, impl: str = "auto") -> _LoRAMode:
-    """A mode adapting one module's weight with ``lora``, unchecked: the stateful layer enters it
+def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "auto") -> _LoRAMode:
+    """A mode adapting one module's weights with ``loras`` (adapter key -> LoRA: the module's own
+    path, and names of its parameters for expert LoRAs), unchecked: the stateful layer enters it
     around that module's forward, after checking the adapter once when it was added."""
-    route = _Route(path, module, module.weight, lora, linear_spec(module))
-    return _LoRAMode({id(module.weight): route}, impl, explicit=False)
+    routes = {}
+    for key, lora in loras.items():
+        if lora.experts:
+            name = key.rpartition(".")[2]
+            spec: LinearSpec | ParamSpec = param_spec(module, name)
+        else:
+            name, spec = "weight", linear_spec(module)
+        weight = getattr(module, name)
+        routes[id(weight)] = _Route(key, module, weight, lora, spec, name)
+    return _LoRAMode(routes, impl, explicit=False)
 
 
 _local = threading.local()  # per thread: the eager functional_call scopes, innermost last
@@ -273,7 +386,7 @@ class _WeightWatch:
 
     def __enter__(self) -> _WeightWatch:
         try:
-            for route in self.mode.routes.values():
+            for route in self.mode.all_routes():
                 self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
         except BaseException:
             self._remove()
@@ -295,10 +408,9 @@ class _WeightWatch:
         if not scopes or scopes[-1] is not self:
             return  # another thread's call, or an outer call of this thread
         route.calls += 1
-        weight = module.weight
+        weight = getattr(module, route.name)
         if weight is not route.weight:
-            route.weight = weight
-            self.mode.routes[id(weight)] = route
+            self.mode.key(route, weight)
 
 
 def explicit_mode_active() -> bool:
@@ -388,7 +500,7 @@ def scoped_call(
     if adapter_ids is not None and not compiling:
         _check_ids(adapter_ids, adapter, batch)
     mode = adapter_mode(model, adapter, params=params, impl=impl, adapter_ids=adapter_ids)
-    routes = list(mode.routes.values())  # before _WeightWatch keys a route by a second weight
+    routes = mode.all_routes()  # before _WeightWatch keys a route by a second weight
     if not compiling and torch._C._functorch.get_interpreter_stack() and any(_is_dtensor(r.weight) for r in routes):
         raise NotImplementedError(
             f"fastaf.functional_call: {type(model).__name__} holds FSDP2 (fully_shard) modules, whose hooks "
@@ -440,7 +552,8 @@ def _check_applied(routes: list[_Route]) -> None:
             "fastaf.functional_call: "
             + "; ".join(f"{r.path} ({type(r.module).__name__}) ran {r.calls} time(s)" for r in lost[:5])
             + ", but used its weight in a way fastaf does not adapt (it adapts F.linear, torch.addmm "
-            "and x @ weight.T); its LoRA would be silently lost. Merge it instead: "
+            "and x @ weight.T; a targeted parameter, any torch call on it), or not at all; its LoRA would be "
+            "silently lost. Merge it instead: "
             "fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))"
         )
     missed = [r.path for r in routes if r.hits == 0]

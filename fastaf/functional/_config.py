@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._adapter import Adapter, LoRA
-from ._modules import linear_spec, match_targets
+from ._modules import LinearSpec, match_targets, target_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +21,9 @@ class LoRAConfig:
     Attributes:
         r: rank, >= 1.
         alpha: scale numerator: scale = alpha / r (alpha / sqrt(r) with ``rslora``).
-        targets: module-name suffixes (list) or a regex / ``"all-linear"`` (str), as PEFT's
-            ``target_modules``.
+        targets: module-name or parameter-name suffixes (list) or a regex / ``"all-linear"``
+            (str), as PEFT's ``target_modules`` and ``target_parameters`` together; a parameter
+            (a fused MoE expert parameter, a router weight) gets one LoRA per expert.
         dropout: LoRA dropout probability on the adapter's input, in [0, 1).
         rslora: rank-stabilised scaling (Kalajdzievski 2023).
     """
@@ -78,10 +79,11 @@ def init_adapter(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> Adapter:
-    """A new Adapter for ``model``'s targeted linear layers, initialised as PEFT does.
+    """A new Adapter for ``model``'s targeted linear layers and parameters, initialised as PEFT does.
 
     A (r, in) is kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B (out, r) is
-    zero, so the adapted model starts equal to the base.
+    zero, so the adapted model starts equal to the base. A targeted parameter gets an expert LoRA,
+    A (E, r, in) and B (E, out, r), drawn as PEFT draws its (E·r, in) lora_A.
 
     Args:
         model: any module tree; targets are matched against ``model.named_modules()``.
@@ -93,18 +95,33 @@ def init_adapter(
     """
     if not isinstance(config, LoRAConfig):
         raise TypeError(f"init_adapter needs a fastaf.LoRAConfig, got {type(config).__name__}")
-    modules = dict(model.named_modules())
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    keys = match_targets(model, config.targets)
+    specs = {key: target_spec(modules, key) for key in keys}
+    if config.dropout:
+        fused = [k for k, spec in specs.items() if not isinstance(spec, LinearSpec)]
+        if fused:
+            raise ValueError(
+                f"init_adapter: LoRAConfig.dropout={config.dropout} cannot apply to the targeted parameters "
+                f"{fused[:3]}: their LoRA is folded into the weight, which leaves no input to drop (PEFT "
+                "refuses lora_dropout with target_parameters too); use dropout=0 or target modules only"
+            )
     loras = {}
-    for path in match_targets(model, config.targets):
-        spec = linear_spec(modules[path])
-        weight = modules[path].weight
+    for key, spec in specs.items():
+        weight = modules[key].weight if isinstance(spec, LinearSpec) else params[key]
+        experts = 0 if isinstance(spec, LinearSpec) else spec.num_experts
         dt = dtype or (torch.float64 if weight.dtype == torch.float64 else torch.float32)
-        A = torch.empty(config.r, spec.in_features, dtype=torch.float32)
+        A = torch.empty(max(experts, 1) * config.r, spec.in_features, dtype=torch.float32)
         # PEFT: nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5)); drawn on the CPU so a
-        # seed gives the same adapter on every device.
+        # seed gives the same adapter on every device. An expert LoRA's rows are PEFT's (E·r, in).
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
         dev = device if device is not None else weight.device
-        B = torch.zeros(spec.out_features, config.r, dtype=dt, device=dev)
-        loras[path] = LoRA(A.to(device=dev, dtype=dt), B, config.scale, config.dropout)
+        if experts:
+            A = A.reshape(experts, config.r, spec.in_features)
+            B = torch.zeros(experts, spec.out_features, config.r, dtype=dt, device=dev)
+        else:
+            B = torch.zeros(spec.out_features, config.r, dtype=dt, device=dev)
+        loras[key] = LoRA(A.to(device=dev, dtype=dt), B, config.scale, config.dropout, experts=bool(experts))
     return Adapter(loras)

@@ -22,7 +22,8 @@ enter the disjoint mean, as in PEFT's ``ties``; where PEFT combines A and B sepa
 ``linear``, ``ties`` and ``dare_*``), fastaf does not: its results are the ΔW-space ones.
 
 Merged LoRAs carry scale 1.0 and dropout 0.0. Factors from an SVD split the singular values
-evenly, B = U·sqrt(S) and A = sqrt(S)·Vᵀ, so neither factor dwarfs the other.
+evenly, B = U·sqrt(S) and A = sqrt(S)·Vᵀ, so neither factor dwarfs the other. An expert LoRA
+(A (E, r, in), a targeted parameter) is merged expert by expert, each as above.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._adapter import Adapter, LoRA, _as_scalar
-from ._modules import LinearSpec, linear_spec, selects
+from ._adapter import Adapter, LoRA, _as_scalar, _layout_mismatch
+from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec, selects
 
 METHODS = ("linear", "cat", "svd", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 _DENSE = frozenset({"ties", "dare_linear", "dare_ties", "magnitude_prune"})  # need `density`
@@ -157,10 +158,10 @@ def _terms_by_path(adapters: list[Adapter], weights: list[float]) -> dict[str, l
     for path, path_terms in terms.items():
         first = path_terms[0][1]
         for _, lora in path_terms[1:]:
-            if (lora.in_features, lora.out_features) != (first.in_features, first.out_features):
+            if why := _layout_mismatch(lora, first):
                 raise ValueError(
                     f"{path}: cannot merge A {tuple(lora.A.shape)}/B {tuple(lora.B.shape)} with "
-                    f"A {tuple(first.A.shape)}/B {tuple(first.B.shape)}: feature sizes differ"
+                    f"A {tuple(first.A.shape)}/B {tuple(first.B.shape)}: {why}"
                 )
             if lora.A.device != first.A.device:
                 raise ValueError(f"{path}: adapters to merge are on {first.A.device} and {lora.A.device}")
@@ -171,6 +172,22 @@ def _merge_path(
     path: str, terms: list[tuple[float, LoRA]], method: str, r: int | None, density: float | None,
     seed: int | None,
 ) -> LoRA:
+    first = terms[0][1]
+    generator = _path_generator(seed, path, first.A.device) if method in _RANDOM else None
+    if not first.experts:
+        return _merge_terms(terms, method, r, density, generator)
+    per_expert = [
+        _merge_terms([(w, LoRA(l.A[e], l.B[e], l.scale)) for w, l in terms], method, r, density, generator)
+        for e in range(first.num_experts)
+    ]
+    return LoRA(torch.stack([l.A for l in per_expert]), torch.stack([l.B for l in per_expert]), 1.0, 0.0, True)
+
+
+def _merge_terms(
+    terms: list[tuple[float, LoRA]], method: str, r: int | None, density: float | None,
+    generator: torch.Generator | None,
+) -> LoRA:
+    """One 2-D LoRA merged from ``terms`` (see ``merge``)."""
     out_dtype = _promoted_dtype(l.A.dtype for _, l in terms)
     work = _work_dtype(out_dtype)
     A_cat, B_cat = _weighted_concat(terms, work)  # (R, in), (out, R); B_cat @ A_cat = Σ w_i ΔW_i
@@ -183,7 +200,6 @@ def _merge_path(
         else:
             deltas = torch.stack([l.scale * (l.B.to(work) @ l.A.to(work)) for _, l in terms])
             w = torch.tensor([w for w, _ in terms], dtype=work, device=deltas.device)
-            generator = _path_generator(seed, path, deltas.device) if method in _RANDOM else None
             dense = _combine_dense(method, deltas, w, density, generator)  # (out, in)
             A, B = _factor_dense(dense, rank)
     return LoRA(A.to(out_dtype), B.to(out_dtype), 1.0, 0.0)
@@ -312,19 +328,21 @@ def merge_into(
     *,
     model: nn.Module | None = None,
 ) -> dict[str, Tensor]:
-    """Base parameters with every adapted weight replaced by W + scale·B@A (new tensors).
+    """Base parameters with every adapted weight replaced by W + scale·B@A (new tensors); a
+    parameter's expert LoRA adds scale·B_e@A_e to each expert e (transposed where it is stored so).
 
     ``functional_call(model, None, args, params=merge_into(model, adapter))`` then equals
     ``functional_call(model, adapter, args)`` with no LoRA work left at inference.
 
     Args:
         model_or_params: a module (its ``named_parameters()``) or a name -> tensor mapping, with
-            each adapted weight under ``"<path>.weight"``.
+            each adapted weight under ``"<path>.weight"`` (an expert LoRA's under its own key).
         adapter: an Adapter, or a list of Adapters summed exactly (as ``functional_call`` does).
         model: with a mapping, the module whose layers say how weights are laid out (GPT-2's
-            Conv1D stores W as (in, out) and gets (scale·B@A)ᵀ). Without it every weight is taken
-            as nn.Linear's (out, in) and one that only fits (in, out) is refused; a square
-            Conv1D weight cannot be told apart, so pass ``model`` for GPT-2-style models.
+            Conv1D stores W as (in, out) and gets (scale·B@A)ᵀ; experts that set ``is_transposed``
+            store (E, in, out)). Without it every weight is taken as nn.Linear's (out, in), or
+            (E, out, in), and one that only fits the other layout is refused; a square one
+            cannot be told apart, so pass ``model`` for GPT-2-style models.
 
     Returns:
         A new dict with the same keys. Adapted entries are new tensors in the weight's dtype and
@@ -343,11 +361,11 @@ def merge_into(
             f"got {type(model_or_params).__name__}"
         )
     adapter = _sum_adapters(adapter)
-    layouts = _layouts(model) if model is not None else None
-    transposed = {path: _check_fit(path, lora, params, layouts) for path, lora in adapter.items()}
+    modules = dict(model.named_modules()) if model is not None else None
+    layouts = {path: _check_fit(path, lora, params, modules) for path, lora in adapter.items()}
     for path, lora in adapter.items():  # every path was checked first: nothing is half-merged
-        name = f"{path}.weight"
-        params[name] = _fold(params[name], lora, transposed[path])
+        name = path if lora.experts else f"{path}.weight"
+        params[name] = _fold(params[name], lora, layouts[path])
     return params
 
 
@@ -372,10 +390,11 @@ def _layouts(model: nn.Module) -> dict[str, LinearSpec | None]:
 
 
 def _check_fit(
-    path: str, lora: LoRA, params: Mapping[str, Tensor], layouts: Mapping[str, LinearSpec | None] | None
-) -> bool:
-    """Check that ``path``'s weight exists and fits ``lora``; True when it is stored (in, out)."""
-    name = f"{path}.weight"
+    path: str, lora: LoRA, params: Mapping[str, Tensor], modules: Mapping[str, nn.Module] | None
+) -> bool | ParamSpec:
+    """Check that ``path``'s weight exists and fits ``lora``: True when a linear weight is stored
+    (in, out), False when (out, in), a ParamSpec for an expert LoRA's parameter."""
+    name = path if lora.experts else f"{path}.weight"
     weight = params.get(name)
     if weight is None:
         leaf = path.rsplit(".", 1)[-1]
@@ -386,11 +405,14 @@ def _check_fit(
         raise TypeError(
             f"merge_into: {name} {tuple(weight.shape)} has dtype {weight.dtype}; expected a float weight"
         )
+    if lora.experts:
+        return _check_param_fit(name, lora, weight, modules)
     out_in, in_out = (lora.out_features, lora.in_features), (lora.in_features, lora.out_features)
-    if layouts is not None:
-        if layouts.get(path) is None:
+    if modules is not None:
+        spec = linear_spec(modules[path]) if path in modules else None
+        if spec is None:
             raise ValueError(f"merge_into: adapter path {path!r} is not a linear layer of the model")
-        transposed = layouts[path].transposed
+        transposed = spec.transposed
     elif tuple(weight.shape) == in_out != out_in:
         # Probably a Conv1D weight; refuse rather than guess, since a square one could not be told.
         raise ValueError(
@@ -409,11 +431,43 @@ def _check_fit(
     return transposed
 
 
-def _fold(weight: Tensor, lora: LoRA, transposed: bool) -> Tensor:
-    """weight + scale·B@A (transposed for an (in, out) weight), formed in fp32, cast back."""
+def _check_param_fit(name: str, lora: LoRA, weight: Tensor, modules: Mapping[str, nn.Module] | None) -> ParamSpec:
+    """The layout of the parameter ``name`` an expert LoRA adds to; read from its module when known."""
+    E, k, n = lora.num_experts, lora.in_features, lora.out_features
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"merge_into: {name} is {tuple(weight.shape)} ({weight.dtype}); an expert LoRA adds to a 2-D or 3-D parameter")
+    if modules is not None:
+        owner, _, attr = name.rpartition(".")
+        spec = param_spec(modules[owner], attr) if owner in modules else None
+        if spec is None:
+            raise ValueError(f"merge_into: {name!r} (an expert LoRA's key) is not a 2-D or 3-D parameter of the model")
+    elif weight.dim() == 2:
+        spec = ParamSpec(1, weight.shape[1], weight.shape[0], transposed=False, ndim=2)
+    elif weight.dim() == 3 and tuple(weight.shape) == (E, k, n) != (E, n, k):
+        raise ValueError(
+            f"merge_into: {name} is {tuple(weight.shape)} ({weight.dtype}), which fits expert LoRA "
+            f"A {tuple(lora.A.shape)}/B {tuple(lora.B.shape)} only as transposed (E, in, out) experts; "
+            "pass model= so the layout is known rather than guessed"
+        )
+    else:
+        spec = ParamSpec(weight.shape[0], weight.shape[-1], weight.shape[-2], transposed=False, ndim=weight.dim())
+    if (spec.num_experts, spec.in_features, spec.out_features) != (E, k, n) or weight.dim() != spec.ndim:
+        raise ValueError(
+            f"merge_into: {name} is {tuple(weight.shape)} ({weight.dtype}) but expert LoRA "
+            f"A {tuple(lora.A.shape)}/B {tuple(lora.B.shape)} needs {E} expert(s) of {k} -> {n}"
+        )
+    return spec
+
+
+def _fold(weight: Tensor, lora: LoRA, layout: bool | ParamSpec) -> Tensor:
+    """weight + scale·B@A (transposed for an (in, out) weight, per expert for a ParamSpec),
+    formed in fp32, cast back."""
     work = _work_dtype(weight.dtype)
     A = lora.A.to(device=weight.device, dtype=work)
     B = lora.B.to(device=weight.device, dtype=work)
+    if isinstance(layout, ParamSpec):
+        return fold_param(weight.to(work), LoRA(A, B, lora.scale, 0.0, True), layout).to(weight.dtype)
+    transposed = layout
     delta = lora.scale * (B @ A)  # (out, in)
     if transposed:
         delta = delta.T

@@ -1,17 +1,24 @@
-"""Which modules a LoRA can sit on, and how their weights are laid out.
+"""Which modules and parameters a LoRA can sit on, and how their weights are laid out.
 
-Two layouts are supported: ``nn.Linear`` (weight (out, in), ``F.linear``) and Hugging Face's
-GPT-2 ``Conv1D`` (weight (in, out), ``torch.addmm(bias, x, weight)``). The functional core
+Two module layouts are supported: ``nn.Linear`` (weight (out, in), ``F.linear``) and Hugging
+Face's GPT-2 ``Conv1D`` (weight (in, out), ``torch.addmm(bias, x, weight)``). The functional core
 recognises Conv1D by its class without importing transformers.
+
+A parameter can be targeted directly, as PEFT's ``target_parameters``: a fused 3-D MoE expert
+parameter, E linear maps stored (E, out, in) (transformers' experts; (E, in, out) where the
+experts module sets ``is_transposed``, as PEFT reads it), or a 2-D one such as a router's weight
+(out, in), one expert.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
+
+from ._adapter import LoRA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,89 @@ def linear_spec(module: nn.Module) -> LinearSpec | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """A targeted parameter's layout: E linear maps in_features -> out_features, stored
+    (E, out, in), (E, in, out) when ``transposed``, or (out, in) when ``ndim`` is 2 (E = 1)."""
+
+    num_experts: int
+    in_features: int
+    out_features: int
+    transposed: bool
+    ndim: int
+
+
+def param_spec(module: nn.Module, name: str) -> ParamSpec | None:
+    """The ParamSpec of ``module``'s own parameter ``name``, or None when it is not a 2-D or 3-D
+    float parameter."""
+    t = module._parameters.get(name)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() not in (2, 3):
+        return None
+    if t.dim() == 2:
+        return ParamSpec(1, t.shape[1], t.shape[0], transposed=False, ndim=2)
+    transposed = bool(getattr(module, "is_transposed", False))  # PEFT's ParamWrapper reads the same flag
+    e, d1, d2 = t.shape
+    return ParamSpec(e, d1, d2, transposed, 3) if transposed else ParamSpec(e, d2, d1, transposed, 3)
+
+
+def fold_param(weight: torch.Tensor, lora: LoRA, spec: ParamSpec) -> torch.Tensor:
+    """``weight + scale·ΔW`` for an expert LoRA, in weight's dtype and layout, in one (b)addmm as
+    PEFT's ParamWrapper folds it (factors cast to the weight's dtype). A new tensor."""
+    A, B = lora.A.to(weight.dtype), lora.B.to(weight.dtype)  # (E, r, in), (E, out, r)
+    if spec.ndim == 2:
+        return torch.addmm(weight, B[0], A[0], alpha=lora.scale)
+    if spec.transposed:  # stored (E, in, out): add (B_e @ A_e)ᵀ = A_eᵀ @ B_eᵀ
+        return torch.baddbmm(weight, A.transpose(-1, -2), B.transpose(-1, -2), alpha=lora.scale)
+    return torch.baddbmm(weight, B, A, alpha=lora.scale)
+
+
+def target_spec(modules: Mapping[str, nn.Module], key: str) -> LinearSpec | ParamSpec | None:
+    """How adapter key ``key`` sits on the model whose ``named_modules()`` are ``modules``: a
+    linear module's LinearSpec, a parameter's ParamSpec, or None when it is neither."""
+    if key in modules:
+        return linear_spec(modules[key])
+    owner, _, name = key.rpartition(".")
+    return param_spec(modules[owner], name) if owner in modules else None
+
+
+def _is_expert_param(module: nn.Module, t: torch.Tensor) -> bool:
+    """A fused MoE expert parameter: 3-D, first axis the owner's ``num_experts`` (transformers'
+    experts modules; convolutions and 3-D embeddings have no such attribute)."""
+    return t.dim() == 3 and t.is_floating_point() and getattr(module, "num_experts", None) == t.shape[0]
+
+
+def _parameter_names(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Parameter name -> (owner path, owner) for every 2-D / 3-D float parameter that a
+    parameter LoRA can target: those of modules that are not linear layers (a linear layer's
+    weight is targeted through its module)."""
+    out = {}
+    for path, module in model.named_modules():
+        if linear_spec(module) is not None:
+            continue
+        for name in module._parameters:
+            if param_spec(module, name) is not None:
+                out[f"{path}.{name}" if path else name] = (path, module)
+    return out
+
+
+def _all_linear_parameters(model: nn.Module) -> list[str]:
+    """What PEFT's "all-linear" adds on transformers-5 MoE models through ``target_parameters``:
+    every fused expert parameter, and the 2-D ``weight`` of each non-linear module beside an
+    experts module (the router, ``mlp.gate``)."""
+    modules = dict(model.named_modules())
+    experts = {p for p, m in modules.items() if any(_is_expert_param(m, t) for t in m._parameters.values() if t is not None)}
+    parents = {p.rpartition(".")[0] for p in experts}
+    names = []
+    for path, module in modules.items():
+        if path in experts:
+            names += [f"{path}.{n}" for n, t in module._parameters.items() if t is not None and _is_expert_param(module, t)]
+        elif path and path.rpartition(".")[0] in parents and linear_spec(module) is None:
+            spec = param_spec(module, "weight")
+            if spec is not None and spec.ndim == 2:
+                names.append(f"{path}.weight")
+    return names
+
+
 def _output_embedding_paths(model: nn.Module) -> set[str]:
     """Paths of the output projection, which PEFT's "all-linear" leaves out."""
     get = getattr(model, "get_output_embeddings", None)
@@ -51,51 +141,54 @@ def selects(target: str, path: str) -> bool:
 
 
 def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
-    """Module paths that ``targets`` selects, the way PEFT's ``target_modules`` does.
+    """Adapter keys that ``targets`` selects, the way PEFT's ``target_modules`` and
+    ``target_parameters`` do: module paths of linear layers, and parameter names.
 
-    A string is a regular expression matched against the whole path (``re.fullmatch``), except
-    ``"all-linear"``: every linear layer but the output projection. A list matches a path equal
-    to an entry or ending in ``"." + entry``.
+    A string is a regular expression matched against the whole module path or parameter name
+    (``re.fullmatch``), except ``"all-linear"``: every linear layer but the output projection,
+    and on MoE models every fused expert parameter and router weight (PEFT 0.21's "all-linear"
+    on transformers 5). A list matches a path or name equal to an entry or ending in
+    ``"." + entry`` (``"gate_up_proj"``, ``"mlp.gate.weight"``). Parameters of linear layers are
+    reached through their module. Keys come in model order: parameters follow their module.
 
     Raises:
-        ValueError: a list entry matches no module, or a match is not a linear layer.
+        ValueError: a list entry matches nothing, or a matched module is not a linear layer.
     """
     named = dict(model.named_modules())
+    params = _parameter_names(model)
     if isinstance(targets, str):
         if targets == "all-linear":
             skip = _output_embedding_paths(model)
             paths = [p for p, m in named.items() if p and p not in skip and linear_spec(m) is not None]
-            fused = [n for n, p in model.named_parameters() if p.dim() == 3]
-            if fused:  # PEFT's "all-linear" adapts these too (target_parameters); say what is left out
-                warnings.warn(
-                    f"fastaf: 'all-linear' adapts the {len(paths)} linear modules of {type(model).__name__} but "
-                    f"not its {len(fused)} fused 3-D (MoE expert) parameters, which fastaf cannot adapt yet: "
-                    f"{fused[:3]}",
-                    stacklevel=3,
-                )
+            keys = set(paths) | set(_all_linear_parameters(model))
         else:
-            paths = [p for p in named if p and re.fullmatch(targets, p)]
-        if not paths:
-            raise ValueError(f"target {targets!r} matches no module of {type(model).__name__}")
+            keys = {p for p in [*named, *params] if p and re.fullmatch(targets, p)}
+        if not keys:
+            raise ValueError(f"target {targets!r} matches no module or parameter of {type(model).__name__}")
     else:
-        paths, unmatched = [], []
+        keys, unmatched = set(), []
         for t in targets:
-            hits = [p for p in named if selects(t, p)]
+            hits = [p for p in [*named, *params] if p and selects(t, p)]
             if not hits:
                 unmatched.append(t)
-            paths.extend(hits)
+            keys.update(hits)
         if unmatched:
             raise ValueError(
                 f"targets {unmatched} match no module of {type(model).__name__} "
                 f"(module names look like {[p for p in named if p][-3:]})"
             )
-        paths = list(dict.fromkeys(p for p in named if p in set(paths)))  # model order, no repeats
-    for p in paths:
-        if linear_spec(named[p]) is None:
-            raise ValueError(
-                f"target matches {p!r}, a {type(named[p]).__name__}; LoRA applies to nn.Linear "
-                "and transformers Conv1D layers only"
-            )
-    return paths
+    ordered = []  # model order: a module, then its own parameters
+    for path, module in named.items():
+        if path in keys:
+            if linear_spec(module) is None:
+                own = [n for n in params if params[n][0] == path]
+                raise ValueError(
+                    f"target matches {path!r}, a {type(module).__name__}; LoRA applies to nn.Linear "
+                    "and transformers Conv1D layers, and to parameters by name"
+                    + (f" (this module's: {own})" if own else "")
+                )
+            ordered.append(path)
+        ordered += [f"{path}.{n}" if path else n for n in module._parameters if (f"{path}.{n}" if path else n) in keys]
+    return ordered
 
 

@@ -4,7 +4,8 @@
 exact for adapters of different ranks and scales: smaller ranks are zero-padded (zero rows of A
 and columns of B add nothing to B @ A), and when scales differ each slot's scale is folded into
 its B so that the stack shares one scale. A path missing from some adapters gets zero factors
-in those slots, which is the exact delta of "no LoRA there".
+in those slots, which is the exact delta of "no LoRA there". An expert LoRA (A (E, r, in)) stacks
+the same way, to A (n, E, r_max, in) and B (n, E, out, r_max).
 """
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ._adapter import Adapter, LoRA
+from ._adapter import Adapter, LoRA, _layout_mismatch
 
 
 def stack(adapters: Sequence[Adapter]) -> Adapter:
     """Stack n adapters into one whose factors carry a leading axis of size n.
 
     Args:
-        adapters: unstacked Adapters; a path's LoRAs must agree in in/out features and dropout.
+        adapters: unstacked Adapters; a path's LoRAs must agree in in/out features, expert count
+            and dropout.
     Returns:
-        Adapter with A (n, r_max, in) and B (n, out, r_max) per path.
+        Adapter with A (n, r_max, in) and B (n, out, r_max) per path (A (n, E, r_max, in) and
+        B (n, E, out, r_max) for expert LoRAs).
     """
     adapters = list(adapters)
     if not adapters:
@@ -40,10 +43,10 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
     present = [l for l in loras if l is not None]
     first = present[0]
     for l in present[1:]:
-        if (l.in_features, l.out_features) != (first.in_features, first.out_features):
+        if why := _layout_mismatch(l, first):
             raise ValueError(
                 f"{path}: cannot stack A {tuple(l.A.shape)}/B {tuple(l.B.shape)} with "
-                f"A {tuple(first.A.shape)}/B {tuple(first.B.shape)}: feature sizes differ"
+                f"A {tuple(first.A.shape)}/B {tuple(first.B.shape)}: {why}"
             )
         if l.dropout != first.dropout:
             raise ValueError(f"{path}: cannot stack LoRAs with dropout {first.dropout} and {l.dropout}")
@@ -55,28 +58,29 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
     r_max = max(l.rank for l in present)
     same_scale = all(l.scale == first.scale for l in present)
     scale = first.scale if same_scale else 1.0
+    lead = first.A.shape[:-2]  # (E,) for an expert LoRA
     A_slots, B_slots = [], []
     for l in loras:
         if l is None:
-            A_slots.append(first.A.new_zeros((r_max, first.in_features), dtype=dtype))
-            B_slots.append(first.B.new_zeros((first.out_features, r_max), dtype=dtype))
+            A_slots.append(first.A.new_zeros((*lead, r_max, first.in_features), dtype=dtype))
+            B_slots.append(first.B.new_zeros((*lead, first.out_features, r_max), dtype=dtype))
             continue
         pad = r_max - l.rank
         B = l.B if same_scale else l.B * l.scale
-        A_slots.append(F.pad(l.A.to(dtype), (0, 0, 0, pad)))  # (r_max, in)
-        B_slots.append(F.pad(B.to(dtype), (0, pad)))  # (out, r_max)
-    return LoRA(torch.stack(A_slots), torch.stack(B_slots), scale, first.dropout)
+        A_slots.append(F.pad(l.A.to(dtype), (0, 0, 0, pad)))  # (..., r_max, in)
+        B_slots.append(F.pad(B.to(dtype), (0, pad)))  # (..., out, r_max)
+    return LoRA(torch.stack(A_slots), torch.stack(B_slots), scale, first.dropout, first.experts)
 
 
 def unstack(stacked: Adapter) -> list[Adapter]:
     """Split a stacked Adapter back into n Adapters (ranks stay padded; deltas are exact)."""
     if not isinstance(stacked, Adapter) or not stacked.stacked:
-        raise ValueError("fastaf.unstack needs an Adapter made by fastaf.stack (3-D A and B)")
+        raise ValueError("fastaf.unstack needs an Adapter made by fastaf.stack (A and B with a leading stack axis)")
     sizes = {l.A.shape[0] for l in stacked.values()}
     if len(sizes) != 1:
         raise ValueError(f"fastaf.unstack: paths disagree on the stack size: {sorted(sizes)}")
     (n,) = sizes
     return [
-        Adapter({p: LoRA(l.A[i], l.B[i], l.scale, l.dropout) for p, l in stacked.items()})
+        Adapter({p: LoRA(l.A[i], l.B[i], l.scale, l.dropout, l.experts) for p, l in stacked.items()})
         for i in range(n)
     ]

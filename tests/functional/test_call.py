@@ -8,29 +8,10 @@ import torch
 
 import fastaf as fa
 from tests._models import ARCHS, MODELS, VOCAB, random_adapter, tiny_llama, token_batch
+from tests._peft import peft_grads, peft_model_with
 from tests._tolerances import rel_err
 
 RTOL = 1e-5  # fp32 parity with PEFT, relative norm
-
-
-def peft_model_with(base, adapters: dict[str, fa.Adapter], targets, r_alpha):
-    """A PEFT model built on a copy of ``base`` holding ``adapters`` with the same A/B values."""
-    model = None
-    for name, ad in adapters.items():
-        r, alpha = r_alpha[name]
-        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        if model is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # GPT-2: "fan_in_fan_out set to True"
-                model = peft.get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-        for path, lora in ad.items():
-            layer = model.base_model.model.get_submodule(path)
-            with torch.no_grad():
-                layer.lora_A[name].weight.copy_(lora.A)
-                layer.lora_B[name].weight.copy_(lora.B)
-    return model
 
 
 def snapshot(model):
@@ -282,10 +263,9 @@ def test_more_architectures_match_peft(name):
     ref = pm(**batch)
     ref.loss.backward()
     assert rel_err(out.logits, ref.logits) < RTOL
-    for path, g in grads.items():
-        layer = pm.base_model.model.get_submodule(path)
-        assert rel_err(g.A, layer.lora_A["default"].weight.grad) < 1e-4, path
-        assert rel_err(g.B, layer.lora_B["default"].weight.grad) < 1e-4, path
+    for path, (dA, dB) in peft_grads(pm, ad).items():
+        assert rel_err(grads[path].A, dA) < 1e-4, path
+        assert rel_err(grads[path].B, dB) < 1e-4, path
     assert_unchanged(base, snap)
 
 
