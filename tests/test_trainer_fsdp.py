@@ -103,8 +103,8 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-# Until /tmp/issue14_stateful.patch lands in fastaf/_stateful.py (gathering sharded factors to save
-# them, the two errors): the lead removes this marker with it (strict, so it cannot outlive it).
+# Expected to fail until issue 14's patch to fastaf/_stateful.py lands (gathering sharded factors to
+# save them, the two errors); inert once it has: remove the marker with it.
 @pytest.mark.xfail(not hasattr(fa._stateful, "_whole"), reason="needs issue 14's _stateful.py patch", strict=True)
 def test_trainer_fsdp2_trains_like_one_process_and_rank_0_saves_one_adapter(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
