@@ -479,17 +479,37 @@ _single_level_allowed = _functorch.get_single_level_autograd_function_allowed
 _allow_single_level = _functorch.set_single_level_autograd_function_allowed
 
 
-def _apply_direct(level: int, *args: Any) -> Tensor:
+def _apply_single_level(apply: Any, level: int, *args: Any) -> Any:
+    """``apply(level, *args)`` of a ``_SingleLevelFunction`` at grad level ``level`` (0: none)."""
     if not level:
-        return _direct_apply(0, *args)
+        return apply(0, *args)
     # functorch refuses a _SingleLevelFunction under its transforms unless this flag is set;
     # it is set for this one call, as functorch's own grad rule does
     previous = _single_level_allowed()
     _allow_single_level(True)
     try:
-        return _direct_apply(level, *args)
+        return apply(level, *args)
     finally:
         _allow_single_level(previous)
+
+
+def _apply_direct(level: int, *args: Any) -> Tensor:
+    return _apply_single_level(_direct_apply, level, *args)
+
+
+@contextlib.contextmanager
+def _below(level: int, *tensors: Optional[Tensor]):
+    """Yield ``tensors`` unwrapped at grad level ``level`` and run the body below that level (its
+    layer popped: new tensors come out plain), as ``_LoRALinearDirect`` does; level 0: as given."""
+    if not level:
+        yield tensors
+        return
+    unwrapped = tuple(None if t is None else _functorch._unwrap_for_grad(t, level) for t in tensors)
+    layer = _functorch.pop_dynamic_layer_stack()
+    try:
+        yield unwrapped
+    finally:
+        _functorch.push_dynamic_layer_stack(layer)
 
 
 # ---- 4. public function -----------------------------------------------------------------------

@@ -10,7 +10,8 @@ path, ranks zero-padded), ids (batch,) integers in [-1, n). Each example is one 
 2. Two ``torch.library`` ops, ``fastaf::lora_multi_fwd`` / ``fastaf::lora_multi_bwd``, on the
    grouped Triton kernels (``fastaf.kernels.lora_multi``: the base GEMM once, the LoRA per
    segment, ids read on the device) or on the reference, with fakes for ``torch.compile``.
-3. ``_LoRAMultiFn``, the autograd.Function joining them (plain autograd, ``torch.func.grad``).
+3. ``_LoRAMultiDirect`` (a single-level Function, as ``_LoRALinearDirect``) for plain autograd
+   and one ``torch.func.grad`` level; ``_LoRAMultiFn`` for tracers and other transforms.
 4. ``lora_linear_multi``, what ``functional_call(..., adapter_ids=)`` calls per layer.
 
 LoRA dropout in training takes the reference (a fresh torch dropout mask per call).
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
-from ._lora_linear import _direct_ok
+from ._lora_linear import _apply_single_level, _below, _direct_level, _direct_ok, _functorch
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -49,16 +50,18 @@ def _segments(t: Tensor, ids: Tensor) -> Tensor:
     return t.reshape(ids.shape[0], t.shape[0] // max(ids.shape[0], 1), t.shape[-1])
 
 
-def _gathered(a: Tensor, b: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Each segment's factors, A (n_seg, R, K) and B (n_seg, N, R), and its 0/1 gate (n_seg, 1, 1)."""
+def _gathered(a: Tensor, b: Tensor, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Each segment's factors as ``dtype``, A (n_seg, R, K) and B (n_seg, N, R), and its 0/1 gate
+    (n_seg, 1, 1)."""
     slot = ids.clamp(min=0).long()
-    return a[slot], b[slot], (ids >= 0).to(a.dtype)[:, None, None]
+    return a[slot].to(dtype), b[slot].to(dtype), (ids >= 0).to(dtype)[:, None, None]
 
 
 def reference_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
                   scale: float) -> tuple[Tensor, Tensor]:
-    """(y (T, N), h fp32 (T, R)): x (T, K) in len(ids) segments, a (n, R, K), b (n, N, R)."""
-    A, B, gate = _gathered(a, b, ids)
+    """(y (T, N), h fp32 (T, R)): x (T, K) in len(ids) segments, a (n, R, K), b (n, N, R) in any
+    float dtype (computed in x's)."""
+    A, B, gate = _gathered(a, b, ids, x.dtype)
     h = torch.bmm(_segments(x, ids), A.transpose(1, 2)) * gate  # (n_seg, S, R)
     y = F.linear(x, weight, bias) + scale * torch.bmm(h, B.transpose(1, 2)).reshape(x.shape[0], weight.shape[0])
     return y, h.reshape(x.shape[0], a.shape[1]).float()
@@ -66,15 +69,16 @@ def reference_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, 
 
 def reference_bwd(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, ids: Tensor,
                   scale: float, needs_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx (T, K) or (0, 0), dA fp32 (n, R, K), dB fp32 (n, N, R)): slots shared by segments add up."""
-    A, B, gate = _gathered(a, b, ids)
+    """(dx (T, K) or (0, 0), dA (n, R, K), dB (n, N, R) in the factors' dtypes): slots shared by
+    segments add up."""
+    A, B, gate = _gathered(a, b, ids, x.dtype)
     dys, hs = _segments(dy, ids), _segments(h.to(dy.dtype), ids)
     dh = scale * torch.bmm(dys, B) * gate  # (n_seg, S, R)
     slot = ids.clamp(min=0).long()
     db = torch.zeros(b.shape, device=b.device, dtype=torch.float32).index_add_(
-        0, slot, (scale * torch.bmm(dys.transpose(1, 2), hs) * gate).float())
+        0, slot, (scale * torch.bmm(dys.transpose(1, 2), hs) * gate).float()).to(b.dtype)
     da = torch.zeros(a.shape, device=a.device, dtype=torch.float32).index_add_(
-        0, slot, torch.bmm(dh.transpose(1, 2), _segments(x, ids)).float())
+        0, slot, torch.bmm(dh.transpose(1, 2), _segments(x, ids)).float()).to(a.dtype)
     dx = (dy @ weight + torch.bmm(dh, A).reshape(x.shape)) if needs_dx else dy.new_empty(0, 0)
     return dx, da, db
 
@@ -123,7 +127,7 @@ def _(x, weight, bias, a, b, ids, scale, impl):
 
 def _bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, ids: Tensor,
                    scale: float, needs_dx: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx (T, K), or (0, 0) when not needed; dA fp32 (n, R, K); dB fp32 (n, N, R))."""
+    """(dx (T, K), or (0, 0) when not needed; dA (n, R, K); dB (n, N, R))."""
     if _use_kernels(impl, x, a):
         dx, da, db = _kernels().multi_bwd(dy, x, weight, a, b, h, ids, scale, needs_dx)
         return (dy.new_empty(0, 0) if dx is None else dx), da, db
@@ -136,7 +140,7 @@ lora_multi_bwd = torch.library.custom_op("fastaf::lora_multi_bwd", mutates_args=
 @lora_multi_bwd.register_fake
 def _(dy, x, weight, a, b, h, ids, scale, needs_dx, impl):
     dx = dy.new_empty(x.shape) if needs_dx else dy.new_empty(0, 0)
-    return dx, a.new_empty(a.shape, dtype=torch.float32), b.new_empty(b.shape, dtype=torch.float32)
+    return dx, a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 # ---- 3. the differentiable op ------------------------------------------------------------------
@@ -167,7 +171,39 @@ class _LoRAMultiFn(torch.autograd.Function):
             dx, da, db = bwd(dy, x, weight, a, b, h, ids, ctx.scale, needs[0], ctx.impl)
         dw = dy.transpose(0, 1) @ x if needs[1] else None
         dbias = dy.sum(0) if needs[2] and ctx.has_bias else None
-        return (dx if needs[0] else None), dw, dbias, da.to(a.dtype), db.to(b.dtype), None, None, None
+        return (dx if needs[0] else None), dw, dbias, (da if needs[3] else None), (db if needs[4] else None), \
+            None, None, None
+
+
+class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
+    """The same VJP for plain eager autograd and one ``torch.func.grad`` level, as
+    ``_LoRALinearDirect``: the new-style ``apply`` binds its arguments with ``inspect.signature``
+    on every call (~30 us of host time per layer), and functorch builds a Function class per call."""
+
+    @staticmethod
+    def forward(ctx, level, x, weight, bias, a, b, ids, scale, impl):
+        with _below(level, x, weight, bias, a, b, ids) as (x, weight, bias, a, b, ids):
+            y, h = _fwd_impl(x, weight, bias, a, b, ids, scale, impl)
+        ctx.save_for_backward(x, weight, a, b, h, ids)
+        ctx.level, ctx.scale, ctx.impl, ctx.has_bias = level, scale, impl, bias is not None
+        ctx.set_materialize_grads(False)
+        return _functorch._wrap_for_grad(y, level) if level else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 9
+        x, weight, a, b, h, ids = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
+        with _below(ctx.level, dy) as (dy,), torch.no_grad():
+            dx, da, db = _bwd_impl(dy, x, weight, a, b, h, ids, ctx.scale, need_x, ctx.impl)
+            dw = dy.transpose(0, 1) @ x if need_w else None
+            dbias = dy.sum(0) if need_bias and ctx.has_bias else None
+        return (None, dx if need_x else None, dw, dbias, da if need_a else None, db if need_b else None,
+                None, None, None)
+
+
+_multi_direct_apply = _LoRAMultiDirect.apply  # the C apply
 
 
 # ---- 4. the public function --------------------------------------------------------------------
@@ -176,7 +212,7 @@ class _LoRAMultiFn(torch.autograd.Function):
 def _reference_with_dropout(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
     """Training with LoRA dropout: a torch dropout mask on the LoRA branch's input, autograd's VJP."""
     base = F.linear(x, weight, bias)
-    A, B, gate = _gathered(lora.A.to(x.dtype), lora.B.to(x.dtype), ids)
+    A, B, gate = _gathered(lora.A, lora.B, ids, x.dtype)
     xs = F.dropout(_segments(x.reshape(-1, x.shape[-1]), ids), lora.dropout, training=True)
     delta = torch.bmm(torch.bmm(xs, A.transpose(1, 2)), B.transpose(1, 2)) * (gate * lora.scale)
     return base + delta.reshape(base.shape)
@@ -189,7 +225,8 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     Args:
         x: (batch, ..., K); example i is the S = x.numel() // (batch * K) rows x[i].
         weight: (N, K); bias: (N,) or None.
-        lora: stacked, A (n, R, K) and B (n, N, R); cast to x's dtype (gradients flow back).
+        lora: stacked, A (n, R, K) and B (n, N, R) in any float dtype: the kernels read them as
+            they are (fp32 master factors need no cast), the reference casts to x's dtype.
         ids: (batch,) int32/int64 in [-1, n); -1 is the base model. Moved to x's device.
         training: apply ``lora.dropout`` to the LoRA branch's input.
         impl: "auto" (grouped kernels on CUDA, the reference elsewhere), "triton" or "torch".
@@ -200,7 +237,11 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
         ids = ids.to(x.device, non_blocking=True)
     if training and lora.dropout:
         return _reference_with_dropout(x, weight, bias, lora, ids)
-    x2 = x.reshape(-1, x.shape[-1])
-    y, _ = _LoRAMultiFn.apply(x2, weight, bias, lora.A.to(x.dtype), lora.B.to(x.dtype), ids,
-                              float(lora.scale), impl)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    args = (x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), impl)
+    level = _direct_level(x2, weight, bias, lora.A, lora.B)
+    if level >= 0:
+        y = _apply_single_level(_multi_direct_apply, level, *args)
+    else:
+        y = _LoRAMultiFn.apply(*args)[0]
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

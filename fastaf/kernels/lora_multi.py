@@ -11,9 +11,12 @@ launches are CUDA-graph safe. This is what SGMV (punica) does for serving, with 
 Jobs, as launches:
 - ``fwd``: h = x @ A[g].T (``_multi_h_kernel``, fp32 (T, R)), the base GEMM y = x @ W.T + bias
   (cuBLAS), then y += s * h @ B[g].T (``_multi_expand_kernel``, in place, skipped for -1 rows);
-- ``bwd``: dh = s * dy @ B[g] and dB[g] += s * dy.T @ h (``_multi_bwd_dy_kernel``, dy read once),
-  dA[g] += dh.T @ x (``_multi_bwd_da_kernel``), dx = dy @ W (cuBLAS) += dh @ A[g] (expand again).
-dA and dB accumulate in fp32 with atomics, so segments that share a slot add up in any order.
+- ``bwd``: dh = s * dy @ B[g] (``_multi_dh_kernel``), dB[g] = s * dy.T @ h and dA[g] = dh.T @ x
+  (``_multi_dfactor_kernel``: one program per slot and block sums the slot's segments, so the
+  weight gradients take no atomics, are deterministic and come out in the factors' dtype), then
+  dx = dy @ W (cuBLAS) += dh @ A[g] (the expand kernel again).
+From ``FUSE_MIN_ROWS`` rows, y and dx come from one persistent TMA GEMM with a per-segment LoRA
+epilogue (``_multi_gemm_kernel``) instead of cuBLAS plus the expand kernel.
 
 Every kernel's grid is (segment, block within the segment, split): a block never straddles two
 segments, so each program does dense tensor-core dots against one adapter's factors. A decode
@@ -31,22 +34,19 @@ from . import _launch
 from .lora_linear_kernels import _tile_coords
 from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available
 from .lora_linear_configs import MAX_RANK
-from .lora_linear_plan import _dot_precision, _meta, _r_pad
+from .lora_linear_plan import _config, _dot_precision, _gemm_key, _meta, _tf32
 
 # ----------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------
 
 INTERPRET_BLOCKS = dict(BLOCK_K=32, BLOCK_N=16)  # small tiles: odd shapes exercise every tail
-# the fused GEMM: lora_linear's Hopper default (BENCH.md: 1.00-1.05x cuBLAS at 8B shapes)
-GEMM = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 FUSE_MIN_ROWS = 1024  # from this many rows the fused GEMM replaces cuBLAS + the expand kernel
-GEMM_INTERPRET = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
 
 def _block_m(S: int) -> int:
     """Rows per block: the segment length rounded up to tl.dot's 16, at most 64."""
-    return min(64, max(16, triton.next_power_of_2(S)))
+    return min(64, _rank_pad(S))
 
 
 def _blocks(device: torch.device) -> dict:
@@ -86,7 +86,7 @@ def _multi_h_kernel(
 ):
     """h[rows] = x[rows] @ A[g].T for one block of one segment and one of SPLIT_K chunks of K.
 
-    SPLIT_K > 1 adds the chunks atomically into a zeroed h; -1 segments leave h at zero.
+    SPLIT_K > 1 adds the chunks atomically into a zeroed h (-1 segments leave it at zero).
     """
     seg, pid_m, pid_k = _segment_program()
     slot = tl.load(ids_ptr + seg).to(tl.int64)
@@ -107,11 +107,11 @@ def _multi_h_kernel(
             at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                          mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
             acc = tl.dot(x, at.to(x.dtype), acc, input_precision=DOT_PRECISION)
-        ptrs = h_ptr + rows[:, None] * R + offs_r[None, :]
-        if SPLIT_K == 1:
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    ptrs = h_ptr + rows[:, None] * R + offs_r[None, :]
+    if SPLIT_K == 1:  # every row stored, zeros for -1 segments: h needs no memset
+        tl.store(ptrs, acc, mask=mask)
+    elif slot >= 0:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -149,12 +149,12 @@ def _multi_expand_kernel(
 
 
 @triton.jit
-def _multi_bwd_dy_kernel(
+def _multi_dh_kernel(
     # pointers
-    dy_ptr, b_ptr, h_ptr, ids_ptr, dh_ptr, db_ptr,
+    dy_ptr, b_ptr, ids_ptr, dh_ptr,
     # sizes
     S, N, R,
-    # strides (h, dh contiguous fp32 (T, R); db contiguous fp32 (n, N, R))
+    # strides (dh contiguous fp32 (T, R), zeroed)
     stride_dym, stride_dyn, stride_bg, stride_bn, stride_br,
     # scalars
     scale,
@@ -162,74 +162,81 @@ def _multi_bwd_dy_kernel(
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dh[rows] (+)= s * dy[rows] @ B[g] and dB[g] += s * dy[rows].T @ h[rows] over one of SPLIT_N
-    chunks of N; dy is read once. dh must be zeroed when SPLIT_N > 1 (and for -1 segments)."""
+    """dh[rows] (+)= s * dy[rows] @ B[g] over one of SPLIT_N chunks of N (atomics into a zeroed dh
+    when split)."""
     seg, pid_m, pid_s = _segment_program()
     slot = tl.load(ids_ptr + seg).to(tl.int64)
+    offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = seg.to(tl.int64) * S + offs_s
+    offs_r = tl.arange(0, R_PAD)
+    mask_m = offs_s < S
+    mask_r = offs_r < R
+    dh = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     if slot >= 0:
-        offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = seg.to(tl.int64) * S + offs_s
-        offs_r = tl.arange(0, R_PAD)
-        mask_m = offs_s < S
-        mask_r = offs_r < R
-        dtype = dy_ptr.dtype.element_ty
-        h = tl.load(h_ptr + rows[:, None] * R + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
-                    other=0.0).to(dtype)  # (BLOCK_M, R_PAD)
         chunk = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT_N) * BLOCK_N
         n_end = tl.minimum(pid_s * chunk + chunk, N)
-        dh = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
         for n0 in range(pid_s * chunk, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_end
             dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
                          mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
             b = tl.load(b_ptr + slot * stride_bg + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                        mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dtype)  # (BLOCK_N, R_PAD)
-            dh = tl.dot(dy, b, dh, input_precision=DOT_PRECISION)
-            db = tl.dot(tl.trans(dy), h, input_precision=DOT_PRECISION)  # (BLOCK_N, R_PAD)
-            tl.atomic_add(db_ptr + slot * N * R + offs_n[:, None] * R + offs_r[None, :], db * scale,
-                          mask=mask_n[:, None] & mask_r[None, :], sem="relaxed")
-        dh_ptrs = dh_ptr + rows[:, None] * R + offs_r[None, :]
-        if SPLIT_N == 1:
-            tl.store(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :])
-        else:
-            tl.atomic_add(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
+                        mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, R_PAD)
+            dh = tl.dot(dy, b.to(dy.dtype), dh, input_precision=DOT_PRECISION)
+    dh_ptrs = dh_ptr + rows[:, None] * R + offs_r[None, :]
+    if SPLIT_N == 1:  # every row stored, zeros for -1 segments: dh needs no memset
+        tl.store(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :])
+    elif slot >= 0:
+        tl.atomic_add(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
 
 
 @triton.jit
-def _multi_bwd_da_kernel(
+def _multi_dfactor_kernel(
     # pointers
-    dh_ptr, x_ptr, ids_ptr, da_ptr,
-    # sizes
-    S, K, R,
-    # strides (dh contiguous fp32 (T, R); da contiguous fp32 (n, R, K))
-    stride_xm, stride_xk,
+    lhs_ptr, rhs_ptr, ids_ptr, out_ptr,
+    # sizes (C: the output's column count, blocked; R: the rank)
+    S, NSEG, C, R,
+    # strides (lhs (T, C) by strides; rhs contiguous fp32 (T, R); out (n, ...) by strides)
+    stride_lm, stride_lc, stride_og, stride_oc, stride_or,
+    # scalars
+    scale,
     # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_M: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, ID_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dA[g][:, k-block] += dh[rows].T @ x[rows, k-block] over one of SPLIT_M chunks of the segment."""
-    seg, pid_k, pid_s = _segment_program()
-    slot = tl.load(ids_ptr + seg).to(tl.int64)
-    if slot >= 0:
-        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        offs_r = tl.arange(0, R_PAD)
-        mask_k = offs_k < K
-        mask_r = offs_r < R
-        chunk = tl.cdiv(tl.cdiv(S, BLOCK_M), SPLIT_M) * BLOCK_M
-        s_end = tl.minimum(pid_s * chunk + chunk, S)
-        acc = tl.zeros((R_PAD, BLOCK_K), dtype=tl.float32)
-        for s0 in range(pid_s * chunk, s_end, BLOCK_M):
-            offs_s = s0 + tl.arange(0, BLOCK_M)
-            rows = seg.to(tl.int64) * S + offs_s
-            mask_m = offs_s < s_end
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-            dh = tl.load(dh_ptr + rows[None, :] * R + offs_r[:, None],
-                         mask=mask_m[None, :] & mask_r[:, None], other=0.0).to(x.dtype)  # (R_PAD, BLOCK_M)
-            acc = tl.dot(dh, x, acc, input_precision=DOT_PRECISION)
-        tl.atomic_add(da_ptr + slot * R * K + offs_r[:, None] * K + offs_k[None, :], acc,
-                      mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
+    """One slot's factor gradient over one column block, summed over the segments that use it:
+
+        out[g][c-block, :] = s * sum_{rows of g's segments} lhs[rows, c-block].T @ rhs[rows]
+
+    dB[g] (N, R) is (lhs, rhs) = (dy, h); dA[g].T (K, R) is (x, dh). Each (slot, block) has one
+    program, so the sum needs no atomics and is stored once in the output's dtype (a slot no
+    segment uses gets zeros).
+    """
+    slot = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, R_PAD)
+    mask_c = offs_c < C
+    mask_r = offs_r < R
+    acc = tl.zeros((BLOCK_C, R_PAD), dtype=tl.float32)
+    for c0 in range(0, NSEG, ID_CHUNK):
+        # one vector load of ID_CHUNK ids, then a walk over the hits only (not NSEG dependent loads)
+        offs_i = c0 + tl.arange(0, ID_CHUNK)
+        hits = tl.where(tl.load(ids_ptr + offs_i, mask=offs_i < NSEG, other=-1) == slot, offs_i, NSEG)
+        seg = tl.min(hits, axis=0)
+        while seg < NSEG:
+            for s0 in range(0, S, BLOCK_M):
+                offs_s = s0 + tl.arange(0, BLOCK_M)
+                rows = (seg * S + offs_s).to(tl.int64)  # seg * S < T < 2**31
+                mask_m = offs_s < S
+                lhs = tl.load(lhs_ptr + rows[:, None] * stride_lm + offs_c[None, :] * stride_lc,
+                              mask=mask_m[:, None] & mask_c[None, :], other=0.0)  # (BLOCK_M, BLOCK_C)
+                rhs = tl.load(rhs_ptr + rows[:, None] * R + offs_r[None, :],
+                              mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_PAD)
+                acc = tl.dot(tl.trans(lhs), rhs.to(lhs.dtype), acc, input_precision=DOT_PRECISION)
+            hits = tl.where(hits == seg, NSEG, hits)
+            seg = tl.min(hits, axis=0)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_og + offs_c[:, None] * stride_oc + offs_r[None, :] * stride_or,
+             (acc * scale).to(out_ptr.dtype.element_ty), mask=mask_c[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -295,9 +302,9 @@ def _multi_gemm_kernel(
 _SITES = {
     "h": _launch.LaunchSite(_multi_h_kernel, 4, 8),
     "expand": _launch.LaunchSite(_multi_expand_kernel, 4, 8),
-    "bwd_dy": _launch.LaunchSite(_multi_bwd_dy_kernel, 6, 8),
-    "bwd_da": _launch.LaunchSite(_multi_bwd_da_kernel, 4, 5),
-    "gemm": _launch.LaunchSite(_multi_gemm_kernel, 7, 12),
+    "dh": _launch.LaunchSite(_multi_dh_kernel, 4, 8),
+    "dfactor": _launch.LaunchSite(_multi_dfactor_kernel, 4, 9),
+    "gemm": _launch.LaunchSite(_multi_gemm_kernel, 7, 13),
 }
 
 
@@ -306,17 +313,52 @@ def supported(x: torch.Tensor, a: torch.Tensor) -> bool:
     return available(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and a.shape[1] <= MAX_RANK
 
 
+# Launch plans are memoized per shape: each launcher runs once per adapted layer per step, and
+# building grids and meta dicts cost ~10 us of host time per call (triton.cdiv and
+# next_power_of_2 are constexpr functions in triton 3.6: a few us per host call).
+_plans: dict[tuple, tuple] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rank_pad(r: int) -> int:
+    """tl.dot's minimum of 16, else the next power of two."""
+    return max(16, 1 << (r - 1).bit_length())
+
+
+def _common(dev: torch.device, dtype: torch.dtype, R: int) -> dict:
+    return dict(R_PAD=_rank_pad(R), DOT_PRECISION=_dot_precision(dtype))
+
+
+def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, S: int, n_seg: int, L: int, R: int,
+                block: str) -> tuple:
+    """(grid, meta, key) of a segment kernel that reduces over L in blocks of ``block`` (BLOCK_K
+    or BLOCK_N), split over ``SPLIT_K`` / ``SPLIT_N`` programs to fill the GPU."""
+    memo = (name, dev, dtype, _tf32(dtype), S, n_seg, L, R)
+    plan = _plans.get(memo)
+    if plan is None:
+        bm, bl = _block_m(S), _blocks(dev)[block]
+        split = _splits(dev, n_seg * _cdiv(S, bm), _cdiv(L, bl))
+        plan = _plans[memo] = ((n_seg, _cdiv(S, bm), split), *_meta(
+            BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=4, num_stages=3,
+            **_common(dev, dtype, R)))
+    return plan
+
+
+def _rank_rows(T: int, R: int, grid: tuple, dev: torch.device) -> torch.Tensor:
+    """An fp32 (T, R) output: a split kernel adds into zeros, an unsplit one stores every row."""
+    return (torch.empty if grid[2] == 1 else torch.zeros)((T, R), device=dev, dtype=torch.float32)
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """h = x @ A[g].T as fp32 (T, R), zero on -1 segments. x (T, K), a (n, R, K), ids (T // S,)."""
     T, K = x.shape
-    R = a.shape[1]
-    S = T // ids.shape[0]
-    bm, bk = _block_m(S), _blocks(x.device)["BLOCK_K"]
-    grid = [ids.shape[0], triton.cdiv(S, bm), 1]
-    grid[2] = _splits(x.device, grid[0] * grid[1], triton.cdiv(K, bk))
-    h = torch.zeros((T, R), device=x.device, dtype=torch.float32)
-    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=grid[2],
-                      DOT_PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3)
+    R, n_seg = a.shape[1], ids.shape[0]
+    S = T // n_seg
+    grid, meta, key = _split_plan("h", x.device, x.dtype, S, n_seg, K, R, "BLOCK_K")
+    h = _rank_rows(T, R, grid, x.device)
     _SITES["h"](grid, (x, a, ids, h, S, K, R, x.stride(0), x.stride(1), *a.stride()), meta, key)
     return h
 
@@ -324,13 +366,16 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """y += s * h @ u[g] in place, per segment. y (T, N), h fp32 (T, R), u (n, R, N) any strides."""
     T, N = y.shape
-    R = h.shape[1]
-    S = T // ids.shape[0]
-    bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
-    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_dot_precision(y.dtype),
-                      num_warps=4, num_stages=2)
-    _SITES["expand"]((ids.shape[0], triton.cdiv(S, bm), triton.cdiv(N, bn)),
-                     (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
+    R, n_seg = h.shape[1], ids.shape[0]
+    S = T // n_seg
+    memo = ("expand", y.device, y.dtype, _tf32(y.dtype), S, n_seg, N, R)
+    plan = _plans.get(memo)
+    if plan is None:
+        bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
+        plan = _plans[memo] = ((n_seg, _cdiv(S, bm), _cdiv(N, bn)), *_meta(
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=2, **_common(y.device, y.dtype, R)))
+    grid, meta, key = plan
+    _SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
     return y
 
 
@@ -348,23 +393,29 @@ def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor]
     T, K = x.shape
     N, R = w_kn.shape[1], h.shape[1]
     k_contig = w_kn.stride(0) == 1
-    y = torch.empty((T, N), device=x.device, dtype=x.dtype)
-    conf = GEMM_INTERPRET if x.device.type != "cuda" else GEMM
-    tiles = triton.cdiv(T, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
-    programs = max(1, min(tiles, 2 if x.device.type != "cuda" else _device_info(x.device.index)[1]))
-    meta, key = _meta(HAS_BIAS=bias is not None, W_K_CONTIG=k_contig, R_PAD=_r_pad(R),
-                      DOT_PRECISION=_dot_precision(x.dtype), **conf)
+    dev = x.device
+    memo = ("gemm", dev, x.dtype, _tf32(x.dtype), T, N, K, R, k_contig, bias is not None)
+    plan = _plans.get(memo)
+    if plan is None:
+        conf = _config("gemm", dev, _gemm_key(T, N, K, R, x.dtype, w_kn))  # lora_linear's tuned tiles
+        tiles = _cdiv(T, conf["BLOCK_M"]) * _cdiv(N, conf["BLOCK_N"])
+        programs = max(1, min(tiles, 2 if dev.type != "cuda" else _device_info(dev.index)[1]))
+        plan = _plans[memo] = ((programs,), *_meta(HAS_BIAS=bias is not None, W_K_CONTIG=k_contig, **conf,
+                                                   **_common(dev, x.dtype, R)))
+    grid, meta, key = plan
+    y = torch.empty((T, N), device=dev, dtype=x.dtype)
     if x.is_cuda:
         _ensure_allocator()
-    _SITES["gemm"]((programs,), (
+    _SITES["gemm"](grid, (
         x, w_kn, h, u, ids, x if bias is None else bias, y,
         T, N, K, R, T // ids.shape[0], ids.shape[0], x.stride(0), w_kn.stride(1 if k_contig else 0), *u.stride(),
-        y.stride(0), programs, float(scale)), meta, key)
+        y.stride(0), grid[0], float(scale)), meta, key)
     return y
 
 
 def multi_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
-              b: torch.Tensor, ids: torch.Tensor, scale: float, fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              b: torch.Tensor, ids: torch.Tensor, scale: float,
+              fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (T, N) in x's dtype, h fp32 (T, R)). x (T, K), weight (N, K), bias (N,) or None,
     a (n, R, K), b (n, N, R) in x's dtype, ids (T // S,) int32/int64 on x's device."""
     h = shrink(x, a, ids)
@@ -374,31 +425,37 @@ def multi_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return expand_(y, h, b.transpose(1, 2), ids, scale), h
 
 
+def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """out[g] (C, R) view = s * sum over g's segments of lhs[rows].T @ rhs[rows]; see the kernel."""
+    T, C = lhs.shape
+    R, n_seg = rhs.shape[1], ids.shape[0]
+    S = T // n_seg
+    memo = ("dfactor", lhs.device, lhs.dtype, _tf32(lhs.dtype), S, n_seg, C, R, out.shape[0])
+    plan = _plans.get(memo)
+    if plan is None:
+        bc = _blocks(lhs.device)["BLOCK_N"]
+        plan = _plans[memo] = ((out.shape[0], _cdiv(C, bc)), *_meta(
+            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _rank_pad(n_seg)), num_warps=4, num_stages=3,
+            **_common(lhs.device, lhs.dtype, R)))
+    grid, meta, key = plan
+    _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
+                             float(scale)), meta, key)
+    return out
+
+
 def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               h: torch.Tensor, ids: torch.Tensor, scale: float,
               needs_dx: bool, fused: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(dx (T, K) in x's dtype or None, dA fp32 (n, R, K), dB fp32 (n, N, R)); shapes as in forward."""
+    """(dx (T, K) in x's dtype or None, dA (n, R, K) in a's dtype, dB (n, N, R) in b's dtype);
+    shapes as in forward. dA and dB are each stored once per slot: no atomics, deterministic."""
     T, N = dy.shape
-    K, R = x.shape[1], a.shape[1]
-    n_seg = ids.shape[0]
+    R, n_seg = a.shape[1], ids.shape[0]
     S = T // n_seg
-    dev = x.device
-    bm, blocks = _block_m(S), _blocks(dev)
-    prec = _dot_precision(x.dtype)
-    split_n = _splits(dev, n_seg * triton.cdiv(S, bm), triton.cdiv(N, blocks["BLOCK_N"]))
-    dh = torch.zeros((T, R), device=dev, dtype=torch.float32)
-    db = torch.zeros(b.shape, device=dev, dtype=torch.float32)
-    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_N=blocks["BLOCK_N"], SPLIT_N=split_n,
-                      DOT_PRECISION=prec, num_warps=4, num_stages=3)
-    _SITES["bwd_dy"]((n_seg, triton.cdiv(S, bm), split_n), (
-        dy, b, h, ids, dh, db, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
-    bk = blocks["BLOCK_K"]
-    split_m = _splits(dev, n_seg * triton.cdiv(K, bk), triton.cdiv(S, bm))
-    da = torch.zeros(a.shape, device=dev, dtype=torch.float32)
-    meta, key = _meta(R_PAD=_r_pad(R), BLOCK_M=bm, BLOCK_K=bk, SPLIT_M=split_m, DOT_PRECISION=prec,
-                      num_warps=4, num_stages=3)
-    _SITES["bwd_da"]((n_seg, triton.cdiv(K, bk), split_m), (dh, x, ids, da, S, K, R, x.stride(0), x.stride(1)),
-                     meta, key)
+    grid, meta, key = _split_plan("dh", dy.device, dy.dtype, S, n_seg, N, R, "BLOCK_N")
+    dh = _rank_rows(T, R, grid, dy.device)
+    _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
+    db = _dfactor(dy, h, ids, torch.empty_like(b), scale)  # (n, N, R)
+    da = _dfactor(x, dh, ids, torch.empty_like(a).transpose(1, 2), 1.0).transpose(1, 2)  # (n, R, K)
     if not needs_dx:
         return None, da, db
     if fused if fused is not None else (T >= FUSE_MIN_ROWS and _fused_ok(dy, weight)):
