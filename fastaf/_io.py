@@ -7,6 +7,14 @@ the config: PEFT computes ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``us
 with per-module ``rank_pattern`` / ``alpha_pattern`` overrides whose keys are regexes matched
 against the end of the module path (``re.match(rf"(.*\\.)?({key})$", path)``, first key wins).
 
+An expert LoRA (a targeted parameter, keyed by its name) is PEFT's ``target_parameters`` layout
+(its ``lora.ParamWrapper``): ``base_model.model.<module>.lora_A.weight`` (E·r, in), row e·r + j
+holding A[e, j], and ``lora_B.weight`` (out, r·E), column j·E + e holding B[e, :, j], with the
+parameter's name in the config's ``target_parameters``. Several parameters of one module nest,
+the one registered first innermost: ``<module>.base_layer.lora_A.weight`` for the first of two.
+PEFT's scale is per expert rank, ``lora_alpha / r``. The file's metadata names each nested
+prefix's parameter (``fastaf.parameters``); PEFT's own files need the model to say it.
+
 Reading is strict where PEFT is lenient: an unknown key, a feature fastaf does not implement
 (DoRA, LoRA biases, embeddings, modules_to_save, ...) or a key without the
 ``base_model.model.`` prefix is an error naming the file and the key, never dropped.
@@ -14,6 +22,7 @@ Reading is strict where PEFT is lenient: an unknown key, a feature fastaf does n
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +45,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _NAME_KEY = "fastaf.name"  # safetensors metadata: the adapter's name (PEFT ignores metadata)
+_PARAMS_KEY = "fastaf.parameters"  # metadata: JSON {key prefix: parameter name} of expert LoRAs
+_NESTED = ".base_layer"  # PEFT's prefix step for each ParamWrapper a parameter's LoRA sits inside
 _FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 # Key fragments of PEFT features that change what the adapter computes; fastaf has none of them.
@@ -55,7 +66,6 @@ _UNSUPPORTED_CONFIG = {
     "lora_bias": "LoRA biases",
     "modules_to_save": "modules_to_save",
     "trainable_token_indices": "trainable tokens",
-    "target_parameters": "LoRA on nn.Parameter targets",
     "layers_to_transform": "layers_to_transform",
     "layer_replication": "layer replication",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
@@ -156,6 +166,22 @@ def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
     return dropout
 
 
+def _file_prefixes(adapter: Adapter) -> dict[str, str]:
+    """Adapter key -> the module prefix of its factors' keys. An expert LoRA sits at its
+    parameter's module, nested in one ``base_layer`` per later parameter of that module as PEFT
+    nests its ParamWrappers; the adapter's key order stands for the module's parameter order
+    (init_adapter and read_adapter keep the model's)."""
+    owners: dict[str, list[str]] = {}
+    for key, lora in adapter.items():
+        if lora.experts:
+            owners.setdefault(key.rpartition(".")[0], []).append(key)
+    prefixes = {key: key for key, lora in adapter.items() if not lora.experts}
+    for owner, keys in owners.items():
+        for depth, key in enumerate(reversed(keys)):
+            prefixes[key] = owner + _NESTED * depth
+    return prefixes
+
+
 def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) -> dict[str, Any]:
     """The adapter_config.json contents: a LoraConfig that rebuilds every rank and scale."""
     rslora = config.rslora if config is not None else False
@@ -169,6 +195,11 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
         # PEFT reads a str as a regex over whole module paths: the escaped paths select exactly
         # these modules, where bare last components ("head") could select others too.
         targets = "|".join(re.escape(p) for p in adapter)
+    params = [p for p, l in adapter.items() if l.experts]
+    if params:
+        # Full paths as lists: PEFT selects exactly these, and its transformers-5 conversion of
+        # Mixtral-style configs (targets named w1/w3, "all-linear") leaves them alone.
+        targets = [p for p, l in adapter.items() if not l.experts]
     keys = _pattern_keys(list(adapter))
     rank_pattern = {keys[p]: ranks[p] for p in adapter if ranks[p] != r}
     alpha_pattern = {
@@ -183,6 +214,7 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
         "r": r,
         "lora_alpha": alpha,
         "target_modules": targets if isinstance(targets, str) else list(targets),
+        "target_parameters": params or None,
         "lora_dropout": dropout,
         "use_rslora": rslora,
         "rank_pattern": rank_pattern,
@@ -218,8 +250,10 @@ def save_adapter(
         config: the LoRAConfig the adapter was made with. It supplies ``target_modules``,
             ``use_rslora`` and the global ``r`` / ``lora_alpha``; without it the targets are the
             adapter's module paths (an exact regex), rsLoRA is off and the most common rank is the
-            global one. Ranks and scales that differ from the global go to ``rank_pattern`` /
-            ``alpha_pattern``, so every LoRA's scale is reproduced.
+            global one. An adapter with expert LoRAs always lists its module paths and its
+            parameter names (``target_parameters``) in full. Ranks and scales that differ from
+            the global go to ``rank_pattern`` / ``alpha_pattern``, so every LoRA's scale is
+            reproduced.
         name: kept in the weights file's metadata; ``fastaf.load_adapter`` registers the
             adapter under it.
     Returns:
@@ -235,11 +269,19 @@ def save_adapter(
     if not distributed.is_writer():
         return directory
     tensors = {}
+    prefixes = _file_prefixes(adapter)
     for path, lora in adapter.items():
+        A, B = lora.A.detach(), lora.B.detach()
+        if lora.experts:  # PEFT's (E·r, in) and (out, r·E)
+            E, rank, k = A.shape
+            A, B = A.reshape(E * rank, k), B.permute(1, 2, 0).reshape(B.shape[1], rank * E)
         # copy=True: safetensors refuses tensors sharing storage (views from fastaf.unstack).
-        tensors[f"{_PREFIX}{path}.lora_A.weight"] = lora.A.detach().to("cpu", copy=True).contiguous()
-        tensors[f"{_PREFIX}{path}.lora_B.weight"] = lora.B.detach().to("cpu", copy=True).contiguous()
+        tensors[f"{_PREFIX}{prefixes[path]}.lora_A.weight"] = A.to("cpu", copy=True).contiguous()
+        tensors[f"{_PREFIX}{prefixes[path]}.lora_B.weight"] = B.to("cpu", copy=True).contiguous()
     metadata = {"format": "pt", **({_NAME_KEY: name} if name is not None else {})}
+    nested = {prefixes[p]: p for p, l in adapter.items() if l.experts}
+    if nested:
+        metadata[_PARAMS_KEY] = json.dumps(nested)
     config_text = json.dumps(peft_config, indent=2, sort_keys=True) + "\n"
     _atomic.replace_files(directory, {
         WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata=metadata),
@@ -343,6 +385,9 @@ def _parse_config(text: bytes | None, file: Path) -> dict[str, Any]:
         raise ValueError(f"read_adapter: {file}: lora_dropout must be in [0, 1), got {cfg['lora_dropout']}")
     _check_patterns(cfg, "rank_pattern", file, integer=True)
     _check_patterns(cfg, "alpha_pattern", file, integer=False)
+    names = cfg.get("target_parameters") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"read_adapter: {file}: target_parameters must be a list of parameter names, got {names!r}")
     return cfg
 
 
@@ -399,8 +444,85 @@ def _pair_factors(tensors: Mapping[str, torch.Tensor], file: Path) -> dict[str, 
     return pairs
 
 
-def _build_lora(path: str, A: torch.Tensor, B: torch.Tensor, cfg: Mapping[str, Any], file: Path) -> LoRA:
-    """One LoRA, its rank checked against r / rank_pattern and its scale from PEFT's formula."""
+def _targeted_names(owner: str, names: list[str], *, bare: bool = True) -> list[str]:
+    """The parameter names of module ``owner`` that PEFT's ``target_parameters`` entries select
+    (``<owner>.<name>`` equal to an entry or ending in ``"." + entry``), in entry order;
+    ``bare=False`` leaves out entries that name no module (``"down_proj"``)."""
+    out = []
+    for entry in names:
+        entry_owner, _, name = entry.rpartition(".")
+        if (bare and not entry_owner) or (entry_owner and (owner == entry_owner or owner.endswith("." + entry_owner))):
+            out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def _holds_parameter(owner: str, cfg: Mapping[str, Any], modules: Mapping[str, nn.Module]) -> bool:
+    """Whether a LoRA at ``owner`` (not nested) adapts one of its parameters rather than the module."""
+    names = cfg["target_parameters"]
+    if modules:
+        module = modules.get(owner)
+        return module is not None and any(n in _targeted_names(owner, names) for n in module._parameters)
+    if _targeted_names(owner, names, bare=False):
+        return True
+    # an entry that names no module ("down_proj") could be any module's: target_modules decides
+    targets = cfg.get("target_modules")
+    if not _targeted_names(owner, names) or targets in (None, "all-linear"):
+        return False
+    return not (re.fullmatch(targets, owner) if isinstance(targets, str) else any(selects(t, owner) for t in targets))
+
+
+def _parameter_keys(prefixes: list[str], cfg: Mapping[str, Any], metadata: Mapping[str, str],
+                    model: nn.Module | None, file: Path) -> dict[str, str]:
+    """Key prefix -> parameter name, for the prefixes holding an expert LoRA (PEFT's ParamWrapper).
+
+    A prefix is ``<module>`` plus one ``.base_layer`` per wrapper outside it; which parameter each
+    depth holds follows the module's parameter order (the last targeted one outermost). The
+    file's own record says it (fastaf's files), else the model, else a module with a single
+    targeted parameter.
+    """
+    if not cfg.get("target_parameters"):
+        return {}
+    names = cfg["target_parameters"]
+    recorded = json.loads(metadata.get(_PARAMS_KEY) or "{}")
+    modules = dict(model.named_modules()) if model is not None else {}
+    depths: dict[str, dict[int, str]] = {}  # module -> depth -> prefix
+    for prefix in prefixes:
+        owner, depth = prefix, 0
+        while owner.endswith(_NESTED):
+            owner, depth = owner[: -len(_NESTED)], depth + 1
+        if depth or prefix in recorded or _holds_parameter(owner, cfg, modules):
+            depths.setdefault(owner, {})[depth] = prefix
+    out = {}
+    for owner, at in depths.items():
+        if all(at[d] in recorded for d in at):
+            out.update({at[d]: recorded[at[d]] for d in at})
+            continue
+        targeted = _targeted_names(owner, names)
+        if owner in modules:
+            own = [n for n in modules[owner]._parameters if n in targeted]
+        elif model is not None:
+            raise ValueError(f"read_adapter: {file}: {owner!r} (a parameter LoRA's module in the file) is not a "
+                             f"module of {type(model).__name__}")
+        elif len(targeted) == 1 and set(at) == {0}:
+            own = targeted
+        else:
+            raise ValueError(
+                f"read_adapter: {file}: module {owner!r} holds {len(at)} parameter LoRA(s) of target_parameters "
+                f"{targeted}; which parameter each one adapts follows the module's parameter order: pass model="
+            )
+        if sorted(at) != list(range(len(own))):
+            raise ValueError(
+                f"read_adapter: {file}: module {owner!r} has parameter LoRAs at nesting depths {sorted(at)}, but "
+                f"target_parameters select {len(own)} of its parameters ({own})"
+            )
+        out.update({at[d]: f"{owner}.{own[-1 - d]}" for d in at})
+    return out
+
+
+def _build_lora(path: str, A: torch.Tensor, B: torch.Tensor, cfg: Mapping[str, Any], file: Path, *,
+                experts: bool = False) -> LoRA:
+    """One LoRA, its rank checked against r / rank_pattern and its scale from PEFT's formula;
+    ``experts``: PEFT's ParamWrapper factors, A (E·r, in) and B (out, r·E), for parameter ``path``."""
     where = f"read_adapter: {file}: {path}"
     for name, t in (("lora_A", A), ("lora_B", B)):
         if t.dim() != 2 or not t.is_floating_point():
@@ -409,17 +531,21 @@ def _build_lora(path: str, A: torch.Tensor, B: torch.Tensor, cfg: Mapping[str, A
     rank_key, alpha_key = _pattern_key(rank_pattern, path), _pattern_key(alpha_pattern, path)
     r = rank_pattern[rank_key] if rank_key is not None else cfg["r"]
     alpha = alpha_pattern[alpha_key] if alpha_key is not None else cfg["lora_alpha"]
-    if A.shape[0] != r or B.shape[1] != r:
+    E = A.shape[0] // r if experts else 1
+    if E < 1 or A.shape[0] != E * r or B.shape[1] != E * r:
         source = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "r"
         raise ValueError(
             f"{where}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not have rank {r} "
-            f"({source} in {CONFIG_NAME})"
+            + ("per expert (E·r rows of lora_A and columns of lora_B) " if experts else "")
+            + f"({source} in {CONFIG_NAME})"
         )
     if A.dtype != B.dtype:
         raise ValueError(f"{where}: lora_A is {A.dtype} but lora_B is {B.dtype}")
+    if experts:  # (E·r, in) -> (E, r, in); (out, r·E) -> (E, out, r)
+        A, B = A.reshape(E, r, A.shape[1]), B.reshape(B.shape[0], r, E).permute(2, 0, 1).contiguous()
     scale = _peft_scale(alpha, r, bool(cfg.get("use_rslora", False)))
     try:
-        return LoRA(A, B, scale, float(cfg.get("lora_dropout") or 0.0))
+        return LoRA(A, B, scale, float(cfg.get("lora_dropout") or 0.0), experts)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from err
 
@@ -432,16 +558,16 @@ def _natural_key(path: str) -> list[Any]:
 def _place(adapter: Adapter, model: nn.Module | None, device: torch.device | str | None) -> Adapter:
     """Move the factors to ``device``, or to each module's weight device when a model is given."""
     if device is not None:
-        return adapter.map(lambda p, l: LoRA(l.A.to(device), l.B.to(device), l.scale, l.dropout))
+        return adapter.map(lambda p, l: dataclasses.replace(l, A=l.A.to(device), B=l.B.to(device)))
     if model is None:
         return adapter
-    modules = dict(model.named_modules())
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
 
     def to_module(path: str, lora: LoRA) -> LoRA:
-        weight = getattr(modules.get(path), "weight", None)
+        weight = params.get(path) if lora.experts else getattr(modules.get(path), "weight", None)
         if not isinstance(weight, torch.Tensor):
             return lora  # adapter_mode below names the bad path
-        return LoRA(lora.A.to(weight.device), lora.B.to(weight.device), lora.scale, lora.dropout)
+        return dataclasses.replace(lora, A=lora.A.to(weight.device), B=lora.B.to(weight.device))
 
     return adapter.map(to_module)
 
@@ -493,8 +619,13 @@ def read_adapter_and_name(
     tensors, metadata = _parse_tensors(files[WEIGHTS_NAME], folder)
     file = folder / WEIGHTS_NAME
     pairs = _pair_factors(tensors, file)
-    paths = sorted(pairs, key=_natural_key)
-    adapter = Adapter({p: _build_lora(p, pairs[p]["A"], pairs[p]["B"], cfg, file) for p in paths})
+    params = _parameter_keys(list(pairs), cfg, metadata, model, file)
+    # model order: by module; a module's nested parameter LoRAs innermost (registered first) first
+    prefixes = sorted(pairs, key=lambda p: (_natural_key(p.split(_NESTED)[0]), -p.count(_NESTED)))
+    adapter = Adapter({
+        params.get(p, p): _build_lora(params.get(p, p), pairs[p]["A"], pairs[p]["B"], cfg, file, experts=p in params)
+        for p in prefixes
+    })
     adapter = _place(adapter, model, device)
     if model is not None:
         try:

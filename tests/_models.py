@@ -158,6 +158,8 @@ ARCHS = {
                 ["query", "key", "value", "dense"], _classify),
     "t5": (_causal("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
                    decoder_start_token_id=0), ["q", "k", "v", "o", "wi", "wo"], _seq2seq),
+    "mixtral": (tiny_mixtral, "all-linear", _ids),
+    "qwen3_moe": (tiny_qwen3_moe, "all-linear", _ids),
     "vit": (lambda seed=0, dtype=torch.float32: _seeded(
         __import__("transformers").ViTForImageClassification,
         __import__("transformers").ViTConfig(**_SMALL, image_size=16, patch_size=8, num_labels=2, attn_implementation="eager"),

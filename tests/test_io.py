@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import fastaf as fa
 from fastaf import _hub, _io
-from tests._models import MODELS, random_adapter, tiny_gpt2, tiny_llama, tiny_qwen2, token_batch
+from tests._models import MODELS, random_adapter, tiny_gpt2, tiny_llama, tiny_mixtral, tiny_qwen2, token_batch
 from tests._tolerances import assert_close
 
 F32 = torch.float32
@@ -265,6 +265,85 @@ def test_peft_gpt2_conv1d_reads_with_same_logits(tmp_path):
     peft_model.save_pretrained(str(tmp_path))
     ids = token_batch()
     assert_close(_fa_logits(base, fa.read_adapter(tmp_path), ids), _peft_logits(peft_model, ids), F32)
+
+
+# ---- fused expert parameters (PEFT's target_parameters) ----------------------------------------
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def test_expert_loras_are_written_in_peft_param_wrapper_layout(tmp_path):
+    base = tiny_mixtral()
+    ad = random_adapter(base, ["q_proj", "gate_up_proj", "down_proj", "gate.weight"], r=4, alpha=8)
+    fa.save_adapter(ad, tmp_path, config=fa.LoRAConfig(r=4, alpha=8, targets=["q_proj", "gate_up_proj", "down_proj", "gate.weight"]))
+    cfg = json.loads((tmp_path / _io.CONFIG_NAME).read_text())
+    assert cfg["target_modules"] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert cfg["target_parameters"][:3] == ["model.layers.0.mlp.gate.weight", f"{EXPERTS}.gate_up_proj", f"{EXPERTS}.down_proj"]
+    sd = load_file(str(tmp_path / _io.WEIGHTS_NAME))
+    gate_up, down = ad[f"{EXPERTS}.gate_up_proj"], ad[f"{EXPERTS}.down_proj"]
+    # gate_up_proj, registered first, sits inside down_proj's wrapper; A (E·r, in), B (out, r·E)
+    A, B = sd[f"base_model.model.{EXPERTS}.base_layer.lora_A.weight"], sd[f"base_model.model.{EXPERTS}.base_layer.lora_B.weight"]
+    assert A.shape == (16, 32) and B.shape == (96, 16)
+    assert torch.equal(A[1 * 4 + 2], gate_up.A[1, 2]) and torch.equal(B[:, 2 * 4 + 1], gate_up.B[1, :, 2])
+    assert sd[f"base_model.model.{EXPERTS}.lora_A.weight"].shape == (16, 48)
+    assert torch.equal(sd["base_model.model.model.layers.0.mlp.gate.lora_B.weight"], ad["model.layers.0.mlp.gate.weight"].B[0])
+    peft_model = _peft_from_dir(base, tmp_path)  # strict: no missing or unexpected keys
+    ids = token_batch()
+    assert_close(_peft_logits(peft_model, ids), _fa_logits(base, ad, ids), F32)
+    back = fa.read_adapter(tmp_path)  # the file says which nested LoRA is which parameter
+    assert sorted(back) == sorted(ad) and back[f"{EXPERTS}.down_proj"].experts
+    assert all(torch.equal(back[k].A, ad[k].A) and torch.equal(back[k].B, ad[k].B) and back[k].scale == 2.0 for k in ad)
+
+
+def test_peft_all_linear_on_mixtral_reads_with_the_model(tmp_path):
+    """PEFT's "all-linear" gives gate_up_proj rank 2r (its v4 gate and up LoRAs side by side)."""
+    base = tiny_mixtral()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT: its own rank_pattern "did not match any targeted module"
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")).eval()
+    _randomise_peft_B(peft_model)
+    peft_model.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"module '{EXPERTS}' holds 2 parameter LoRA.*pass model="):
+        fa.read_adapter(tmp_path)
+    ad = fa.read_adapter(tmp_path, model=base)
+    assert ad[f"{EXPERTS}.gate_up_proj"].A.shape == (4, 4, 32) and ad[f"{EXPERTS}.down_proj"].A.shape == (4, 2, 48)
+    assert sorted(ad) == sorted(fa.init_adapter(base, fa.LoRAConfig(r=2, alpha=4, targets="all-linear")))
+    ids = token_batch()
+    assert_close(_fa_logits(base, ad, ids), _peft_logits(peft_model, ids), F32)
+
+
+def test_stateful_save_and_load_round_trip_expert_loras(tmp_path):
+    base = tiny_mixtral()
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("moe", random_adapter(base, "all-linear", r=2, alpha=4))
+    fa.save_adapter_to_local_dir(model, path=tmp_path, name="moe")
+    other = copy.deepcopy(base)
+    assert fa.load_adapter(other, path_or_repo_id=tmp_path) == "moe"
+    other.set_active_adapter("moe")
+    model.set_active_adapter("moe")
+    ids = token_batch()
+    with torch.no_grad():
+        assert_close(other(ids).logits, model(ids).logits, F32)
+
+
+def test_bad_expert_files_are_named_errors(tmp_path):
+    base = tiny_mixtral()
+    fa.save_adapter(random_adapter(base, ["gate_up_proj"], r=4), tmp_path)
+    _edit_config(tmp_path, r=3)
+    with pytest.raises(ValueError, match=r"gate_up_proj: lora_A \(16, 32\) / lora_B \(96, 16\) do not have rank 3 per expert"):
+        fa.read_adapter(tmp_path)
+    _edit_config(tmp_path, r=4, lora_dropout=0.1)
+    with pytest.raises(ValueError, match="gate_up_proj.*cannot have dropout"):
+        fa.read_adapter(tmp_path)
+    _edit_config(tmp_path, lora_dropout=0.0, target_parameters="gate_up_proj")
+    with pytest.raises(ValueError, match="target_parameters must be a list"):
+        fa.read_adapter(tmp_path)
+    _edit_config(tmp_path, target_parameters=["gate_up_proj"])
+    key = f"base_model.model.{EXPERTS}.lora_A.weight"
+    nest = lambda sd: {k.replace("experts.", "experts.base_layer."): v.clone() for k, v in sd.items() if "layers.0" in k}  # noqa: E731
+    _rewrite(tmp_path, lambda sd: {**sd, **nest(sd)})
+    with pytest.raises(ValueError, match=rf"'{EXPERTS}' has parameter LoRAs at nesting depths \[0, 1\].*select 1"):
+        fa.read_adapter(tmp_path, model=base)
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -351,7 +351,9 @@ def test_more_architectures_vmap_stateful_and_files(name, tmp_path):
         assert rel_err(pm(**batch).logits, each[0]) < RTOL
     pm.save_pretrained(str(tmp_path / "peft"))
     with torch.no_grad():
-        assert rel_err(fa.functional_call(base, fa.read_adapter(tmp_path / "peft"), (), batch).logits, each[0]) < RTOL
+        # with the model: nested expert LoRAs in PEFT's files follow the module's parameter order
+        back = fa.read_adapter(tmp_path / "peft", model=base)
+        assert rel_err(fa.functional_call(base, back, (), batch).logits, each[0]) < RTOL
 
 
 class _Interrupting(torch.nn.Module):
