@@ -140,10 +140,58 @@ def _seq2seq(seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": token_batch(seq=5, seed=seed + 1)}
 
 
+def _speech(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn(2, 8, 16, generator=g), "labels": token_batch(seq=5, seed=seed + 1)}
+
+
+def _image_text(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": token_batch(seed=seed), "pixel_values": torch.randn(2, 3, 16, 16, generator=g), "return_loss": True}
+
+
+IMAGE_TOKEN = VOCAB - 1
+
+
+def _llava_inputs(seed: int = 0) -> dict:
+    """4 image tokens: a 16x16 image in 8x8 patches, CLS dropped (vision_feature_select_strategy)."""
+    ids = token_batch(seq=8, seed=seed) % IMAGE_TOKEN
+    ids[:, 1:5] = IMAGE_TOKEN
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": ids}
+
+
+def _towers(cls_name: str, cfg_name: str, **extra):
+    """A text and a vision tower (CLIP, SigLIP), each _SMALL."""
+    text = dict(vocab_size=VOCAB, **_SMALL, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _causal(cls_name, cfg_name, text_config=text, vision_config=dict(**_SMALL, image_size=16, patch_size=8),
+                   **extra)
+
+
+def tiny_llava(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A CLIP vision tower, a projector and a Llama; generate runs the tower outside forward's
+    decoding steps (only the first step sees pixel_values)."""
+    import transformers
+
+    cfg = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**_SMALL, image_size=16, patch_size=8),
+        text_config=transformers.LlamaConfig(vocab_size=VOCAB, **_SMALL, num_key_value_heads=2),
+        image_token_index=IMAGE_TOKEN, attn_implementation="eager",
+    )
+    return _seeded(transformers.LlavaForConditionalGeneration, cfg, seed, dtype)
+
+
+def logits(out):
+    """The logits of a model output (CLIP and SigLIP: image-text similarities)."""
+    return out["logits"] if "logits" in out else out["logits_per_image"]
+
+
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_ENCODER = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 ARCHS = {
     "mistral": (_causal("MistralForCausalLM", "MistralConfig", **_SMALL, num_key_value_heads=2), _LLAMA_LIKE, _ids),
     "qwen3": (_causal("Qwen3ForCausalLM", "Qwen3Config", **_SMALL, num_key_value_heads=2, head_dim=8), _LLAMA_LIKE, _ids),
+    "gemma3": (_causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_SMALL, num_key_value_heads=2, head_dim=8), _LLAMA_LIKE, _ids),
     "gemma2": (_causal("Gemma2ForCausalLM", "Gemma2Config", **_SMALL, num_key_value_heads=2, head_dim=8), _LLAMA_LIKE, _ids),
     "phi3": (_causal("Phi3ForCausalLM", "Phi3Config", **_SMALL, pad_token_id=0), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], _ids),
     "gpt_neox": (_causal("GPTNeoXForCausalLM", "GPTNeoXConfig", **_SMALL),
@@ -158,6 +206,15 @@ ARCHS = {
                 ["query", "key", "value", "dense"], _classify),
     "t5": (_causal("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
                    decoder_start_token_id=0), ["q", "k", "v", "o", "wi", "wo"], _seq2seq),
+    "whisper": (_causal("WhisperForConditionalGeneration", "WhisperConfig", d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        num_mel_bins=8, max_source_positions=8, max_target_positions=32, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=3), _ENCODER, _speech),
+    "clip": (_towers("CLIPModel", "CLIPConfig", projection_dim=16), _ENCODER, _image_text),
+    # SigLIP's pooling head is an nn.MultiheadAttention whose out_proj weight PEFT never adapts
+    "siglip": (_towers("SiglipModel", "SiglipConfig"), ["q_proj", "k_proj", "v_proj", "self_attn.out_proj", "fc1", "fc2"],
+               _image_text),
+    "llava": (tiny_llava, [*_LLAMA_LIKE, "out_proj", "fc1", "fc2", "linear_1", "linear_2"], _llava_inputs),
     "mixtral": (tiny_mixtral, "all-linear", _ids),
     "qwen3_moe": (tiny_qwen3_moe, "all-linear", _ids),
     "vit": (lambda seed=0, dtype=torch.float32: _seeded(

@@ -80,5 +80,8 @@ def peft_grads(pm, adapter: fa.Adapter, name: str = "default") -> dict[str, tupl
     out = {}
     for key, lora in adapter.items():
         layer = peft_layer(pm, key, lora)
-        out[key] = from_peft(layer.lora_A[name].weight.grad, layer.lora_B[name].weight.grad, lora)
+        # an unused layer (LLaVA's last vision layer, vision_feature_layer=-2) has no grad: zeros
+        A, B = (f.weight.grad if f.weight.grad is not None else torch.zeros_like(f.weight)
+                for f in (layer.lora_A[name], layer.lora_B[name]))
+        out[key] = from_peft(A, B, lora)
     return out

@@ -9,7 +9,9 @@ from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
 import fastaf._hub
-from tests._models import VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
+from tests._models import ARCHS, VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
+from tests._peft import peft_model_with
+from tests._tolerances import rel_err
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 MAKERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
@@ -155,6 +157,30 @@ def test_generate_adapts_the_encoder_of_an_encoder_decoder_like_peft():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(enc, enc_ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(enc, base.get_encoder()(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper", "llava", "mixtral", "qwen3_moe"])
+def test_generate_logits_match_peft(name):
+    """generate runs T5's and Whisper's encoders and LLaVA's vision tower and projector outside
+    the decoding steps; the stateful layer (and fastaf.generate) must adapt them as PEFT does."""
+    make, targets, inputs = ARCHS[name]
+    base = make()
+    adapter = random_adapter(base, targets, r=4, alpha=8.0)
+    batch = {k: v for k, v in inputs().items() if k != "labels"}
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    pm = peft_model_with(base, {"default": adapter}, targets, {"default": (4, 8.0)}).eval()
+    kw = dict(max_new_tokens=4, do_sample=False, num_beams=1, return_dict_in_generate=True, output_logits=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        ours, ref, plain = model.generate(**batch, **kw), pm.generate(**batch, **kw), base.generate(**batch, **kw)
+        # fastaf.generate takes input_ids positionally (Whisper has input_features instead)
+        functional = fa.generate(base, adapter, batch.pop("input_ids"), **batch, **kw) if "input_ids" in batch else ours
+    assert torch.equal(ours.sequences, ref.sequences) and torch.equal(functional.sequences, ref.sequences)
+    for step, (a, f, b, p) in enumerate(zip(ours.logits, functional.logits, ref.logits, plain.logits)):
+        assert rel_err(a, b) < 1e-5 and rel_err(f, b) < 1e-5, step
+        assert rel_err(p, b) > 1e-2, step  # the adapter changes every step
 
 
 def test_a_submodule_called_alone_uses_the_active_adapter():
