@@ -15,8 +15,11 @@ and decode, 64 rows x 1 token with 64 adapters. Providers, timed interleaved in 
 - loop: a Python loop of ``lora_linear``, one adapter's rows at a time;
 - peft: PEFT's mixed-batch forward (``adapter_names=``, one name per row), forward only (PEFT
   refuses to train with it).
-Modes ``fwd``, ``fwd_bwd`` (backward to x and the stack) and, for decode, ``fwd_graph``: base and
-fastaf replayed from CUDA graphs, as a server runs them (the grouped ops never sync on the ids).
+Modes ``fwd`` and ``fwd_bwd`` (backward to x and the stack), eager; ``fwd_graph`` and
+``fwd_bwd_graph``: base and fastaf replayed from CUDA graphs, as a server or a compiled trainer
+runs them (the grouped ops never sync on the ids), so host time drops out and the ratio is GPU
+time. Eager rows at these sizes are host-bound for fastaf (~0.7 ms of launches and autograd per
+fwd+bwd call against ~0.47 ms of GPU time at 64 x 64).
 ``train_step``: BENCH.md's Llama-3.2-1B shape, 8 x 1024 tokens, one AdamW step through
 ``functional_call`` with one adapter on every sequence vs 8 adapters (a stack, ``adapter_ids``
 0..7), r=16 on q,k,v,o,gate,up,down. Writes bench/results/<name>-<gpu>.json.
@@ -62,15 +65,16 @@ def peft_forward(x: torch.Tensor, w: torch.Tensor, A: torch.Tensor, B: torch.Ten
     return lambda: pm(x, adapter_names=names)
 
 
-def _with_fuse(min_rows: int, fn):
-    """Run ``fn`` with the grouped op's fused-GEMM threshold forced (both variants side by side)."""
+def _with(name: str, value: int, fn):
+    """Run ``fn`` with one of the grouped op's dispatch thresholds forced (variants side by side)."""
     from fastaf.kernels import lora_multi
 
-    saved, lora_multi.FUSE_MIN_ROWS = lora_multi.FUSE_MIN_ROWS, min_rows
+    saved = getattr(lora_multi, name)
+    setattr(lora_multi, name, value)
     try:
         return fn()
     finally:
-        lora_multi.FUSE_MIN_ROWS = saved
+        setattr(lora_multi, name, saved)
 
 
 def graphed(fn):
@@ -99,8 +103,8 @@ def providers(n: int, t: int, mode: str) -> dict:
     ops = {
         "base": lambda: F.linear(x, w),
         "fastaf": lambda: lora_linear_multi(x, w, None, stack, ids),
-        "fastaf-fused": lambda: _with_fuse(0, lambda: lora_linear_multi(x, w, None, stack, ids)),
-        "fastaf-unfused": lambda: _with_fuse(1 << 62, lambda: lora_linear_multi(x, w, None, stack, ids)),
+        "fastaf-fused": lambda: _with("FUSE_MIN_ROWS", 0, lambda: lora_linear_multi(x, w, None, stack, ids)),
+        "fastaf-unfused": lambda: _with("FUSE_MIN_ROWS", 1 << 62, lambda: lora_linear_multi(x, w, None, stack, ids)),
         "fastaf-ref": lambda: lora_linear_multi(x, w, None, stack, ids, impl="torch"),
         "vmap": lambda: torch.func.vmap(lambda xi, lo: fa.functional.lora_linear(xi, w, None, lo))(x, stack),
         "loop": lambda: torch.stack([fa.functional.lora_linear(x[i], w, None, fa.LoRA(A[i], B[i], 2.0))
@@ -108,6 +112,18 @@ def providers(n: int, t: int, mode: str) -> dict:
     }
     if mode == "fwd_graph":
         return {k: graphed(ops[k]) for k in ("base", "fastaf")}
+    if mode == "fwd_bwd_graph":  # the backward captured too: GPU time, as a compiled or graphed trainer sees it
+        grads = {k: torch.empty_like(t) for k, t in (("x", x), ("A", A), ("B", B))}
+        x.requires_grad_(), A.requires_grad_(), B.requires_grad_()
+
+        def fwd_bwd(k):
+            def run():
+                outs = torch.autograd.grad(ops[k](), (x, A, B) if k != "base" else (x,), dy)
+                for out, buf in zip(outs, grads.values()):
+                    buf.copy_(out)
+            return run
+
+        return {k: graphed(fwd_bwd(k)) for k in ("base", "fastaf")}
     if mode == "fwd":
         ops["peft"] = peft_forward(x.reshape(n, t, K), w, A.detach(), B.detach())
         with torch.no_grad():  # every provider against the reference path
@@ -168,7 +184,7 @@ def main() -> None:
                          **{k: tm[k] for k in ("ms", "p20", "p80", "rounds")}})
 
     for n, t in CASES:
-        for mode in ("fwd", "fwd_bwd") + (("fwd_graph",) if t == 1 else ()):
+        for mode in ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph"):
             fns = providers(n, t, mode)
             times = H.time_interleaved(fns, rounds=3, rep=150)
             record(mode, n, t, times)

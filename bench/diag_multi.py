@@ -65,6 +65,7 @@ def host() -> None:
         torch.autograd.set_multithreading_enabled(True)
         print(f"---- cProfile {n}x{t} {mode} fastaf x50")
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":
