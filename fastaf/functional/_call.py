@@ -90,6 +90,13 @@ class _LoRAMode(TorchFunctionMode):
         # is held so its id is not reused
         self.views: dict[int, tuple[_Route, Tensor]] = {}
 
+    def __enter__(self) -> _LoRAMode:
+        # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
+        # activation-checkpointing recompute, which must make (and save) its own.
+        for route in self.params.values():
+            route.merged = None
+        return super().__enter__()
+
     def all_routes(self) -> list[_Route]:
         return [*self.routes.values(), *self.params.values()]
 

@@ -164,3 +164,30 @@ def test_bad_expert_loras_are_named_errors():
 
 def test_a_plain_model_has_no_parameter_targets():
     assert all(not l.experts for l in fa.init_adapter(tiny_llama(), fa.LoRAConfig(r=2, alpha=2, targets="all-linear")).values())
+
+
+def test_activation_checkpointing_recomputes_the_expert_weights():
+    base = tiny_mixtral()
+    ad = random_adapter(base, "all-linear")
+    ids = token_batch(2, 7)
+    want = torch.func.grad(lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss)(ad)
+    ckpt = tiny_mixtral()
+    ckpt.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": fa.functional.checkpoint_context}
+    )
+    ckpt.train()
+    leaves = [t.clone().requires_grad_() for t in torch.utils._pytree.tree_leaves(ad)]
+    ad2 = torch.utils._pytree.tree_unflatten(leaves, torch.utils._pytree.tree_structure(ad))
+    fa.functional_call(ckpt, ad2, (ids,), {"labels": ids, "use_cache": False}).loss.backward()
+    for (key, lora), A in zip(want.items(), leaves[::2]):
+        assert rel_err(A.grad, lora.A) < 1e-4, key
+
+
+def test_compile_fullgraph_has_no_graph_breaks():
+    base = tiny_mixtral()
+    ad = random_adapter(base, ["gate_up_proj", "gate.weight"])
+    ids = token_batch(2, 7)
+    f = lambda a, ids: fa.functional_call(base, a, (ids,)).logits  # noqa: E731
+    explained = torch._dynamo.explain(f)(ad, ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert rel_err(torch.compile(f, fullgraph=True, backend="aot_eager")(ad, ids), f(ad, ids)) < RTOL
