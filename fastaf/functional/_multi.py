@@ -152,7 +152,7 @@ class _LoRAMultiFn(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, a, b, ids, scale, impl):
         # eager calls skip the dispatcher (~150 us of host time per call); tracers need the op
-        fwd = _fwd_impl if _direct_ok(x, weight, bias, a, b, ids) else lora_multi_fwd
+        fwd = _fwd_impl if _direct_ok(x, weight, bias, a, b, ids) else torch.ops.fastaf.lora_multi_fwd
         return fwd(x, weight, bias, a, b, ids, scale, impl)
 
     @staticmethod
@@ -161,18 +161,20 @@ class _LoRAMultiFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight, a, b, output[1], ids)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dy, _dh):
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else lora_multi_bwd
+        bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
         with torch.no_grad():  # first-order: keep the call a plain op call (see _LoRALinearFn)
             dx, da, db = bwd(dy, x, weight, a, b, h, ids, ctx.scale, needs[0], ctx.impl)
         dw = dy.transpose(0, 1) @ x if needs[1] else None
         dbias = dy.sum(0) if needs[2] and ctx.has_bias else None
-        return (dx if needs[0] else None), dw, dbias, (da if needs[3] else None), (db if needs[4] else None), \
-            None, None, None
+        # dA and dB unconditionally: under torch.compile, a stack that torch.func.grad wraps as a
+        # graph input reads as not requiring grad here, and a None would silently drop its gradient
+        return (dx if needs[0] else None), dw, dbias, da, db, None, None, None
 
 
 class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
