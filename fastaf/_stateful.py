@@ -21,6 +21,12 @@ Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stan
 active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
 active one applies.
 
+Under FSDP2 (``fully_shard``, as HF ``Trainer`` and accelerate apply it) the registry's
+Parameters belong to the root module's group: sharded between steps, gathered while the root
+runs, their gradients averaged by FSDP2 itself. Add adapters before sharding (afterwards FSDP2
+would not manage them: refused). ``get_adapter`` and ``save_adapter_to_local_dir`` gather the
+factors, a collective: call them on every rank (rank 0 writes).
+
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ class _LoRAParams(nn.Module):
 
     def lora(self, *, detach: bool) -> LoRA:
         if detach:
-            return LoRA(self.A.detach().clone(), self.B.detach().clone(), self.scale, self.dropout, self.experts)
+            return LoRA(_whole(self.A), _whole(self.B), self.scale, self.dropout, self.experts)
         return LoRA(self.A, self.B, self.scale, self.dropout, self.experts)
 
     @property
@@ -68,6 +74,17 @@ class _LoRAParams(nn.Module):
     def extra_repr(self) -> str:
         return (f"path={self.path!r}, r={self.A.shape[-2]}, scale={self.scale:g}, dropout={self.dropout:g}"
                 + (f", experts={self.A.shape[0]}" if self.experts else ""))
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    # by name: torch.distributed.tensor may not be imported (or built)
+    return type(t).__name__ == "DTensor"
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of all of ``t``: a factor FSDP2 sharded (a DTensor) is all-gathered first,
+    a collective every rank must join."""
+    return (t.full_tensor() if _sharded(t) else t).detach().clone()
 
 
 class _AdapterSlot(nn.ModuleDict):
@@ -129,6 +146,12 @@ class _Registry(nn.Module):
         params = self.adapters[self.active][path.replace(".", "__")]
         lora = self.active_loras.get(path)
         if lora is None or lora.A is not params.A or lora.B is not params.B:
+            if _sharded(params.A) or _sharded(params.B):
+                raise RuntimeError(
+                    f"fastaf: adapter {self.active!r} at {path}: its factors are FSDP2 shards (DTensor) here; "
+                    "FSDP2 gathers them (they belong to the root module's group) only while the whole model "
+                    "runs: call the model, not one of its submodules alone"
+                )
             lora = self.active_loras[path] = params.lora(detach=False)
         return lora
 
@@ -182,6 +205,16 @@ def _check_new_name(name: Any, existing: Mapping[str, Any]) -> None:
         raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
 
 
+def _check_unsharded(base: nn.Module, name: str) -> None:
+    """Adapters join a model before FSDP2 shards it, or FSDP2 never manages their Parameters."""
+    if any(_sharded(p) for p in base.parameters()):
+        raise RuntimeError(
+            f"fastaf: adapter {name!r} cannot be added to a model that FSDP2 (fully_shard) has already sharded: "
+            "FSDP2 would neither gather its factors nor average their gradients, so each rank would train its "
+            "own copy. Add adapters before sharding (before Trainer.train or accelerator.prepare)"
+        )
+
+
 # ---- the instance state -------------------------------------------------------------------------
 
 
@@ -209,6 +242,7 @@ def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig 
     if len(adapter) == 0:
         raise ValueError(f"adapter {name!r} is empty; it adapts no module")
     with _without_registry(model) as base:
+        _check_unsharded(base, name)
         adapter_mode(base, adapter)  # raises on unknown paths, non-linear modules, shapes, devices
     owners = sorted({p.rpartition(".")[0] if l.experts else p for p, l in adapter.items()})
     nested = [(a, b) for a in owners for b in owners if a != b and (a == "" or b.startswith(a + "."))]
@@ -241,6 +275,7 @@ def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *
     _check_new_name(name, registry.adapters)  # before the (possibly large) init
     if isinstance(config, LoRAConfig):
         with _without_registry(self) as base:
+            _check_unsharded(base, name)  # before the init
             adapter = init_adapter(base, config, seed=seed)
         _register(self, name, adapter, config)
     elif isinstance(config, Adapter):
@@ -270,7 +305,8 @@ def _remove_adapter(self: nn.Module, name: str) -> None:
 
 
 def _get_adapter(self: nn.Module, name: str) -> Adapter:
-    """The current values of adapter ``name`` as a ``fastaf.Adapter`` (detached copies)."""
+    """The current values of adapter ``name`` as a ``fastaf.Adapter`` (detached copies; factors
+    that FSDP2 sharded are gathered, a collective every rank must join)."""
     return _registry(self).slot(name).adapter(detach=True)
 
 
@@ -323,6 +359,9 @@ def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) 
     The files (``adapter_model.safetensors``, ``adapter_config.json``) go directly into ``path``,
     with ``name`` in the weights' metadata, so ``load_adapter(model, path_or_repo_id=path)``
     registers it as ``name`` again.
+
+    Under ``torch.distributed`` call it on every rank: rank 0 writes, and factors that FSDP2
+    sharded are gathered first (a collective; called on rank 0 alone it would wait forever).
     """
     from ._io import save_adapter
 

@@ -103,9 +103,6 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-# Expected to fail until issue 14's patch to fastaf/_stateful.py lands (gathering sharded factors to
-# save them, the two errors); inert once it has: remove the marker with it.
-@pytest.mark.xfail(not hasattr(fa._stateful, "_whole"), reason="needs issue 14's _stateful.py patch", strict=True)
 def test_trainer_fsdp2_trains_like_one_process_and_rank_0_saves_one_adapter(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
