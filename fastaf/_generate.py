@@ -12,7 +12,7 @@ from .functional import Adapter, scoped_call
 def generate(
     model: nn.Module,
     adapter: Adapter | list[Adapter] | None,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
     *,
     adapter_ids: torch.Tensor | None = None,
     **generate_kwargs: Any,
@@ -25,7 +25,8 @@ def generate(
             adapter stands in for the active one).
         adapter: an ``Adapter``, a list of them (their deltas add), or a stacked one with
             ``adapter_ids``.
-        input_ids: (batch, seq).
+        input_ids: (batch, seq), or None for models whose inputs come in ``generate_kwargs``
+            (Whisper's ``input_features``): the batch is then the first of those tensors' sizes.
         adapter_ids: (batch,) int tensor for a stacked adapter: row i decodes with slot
             ``adapter_ids[i]``, -1 with the base model. With ``num_beams`` or
             ``num_return_sequences`` above 1 each id is repeated as generate repeats its row.
@@ -33,7 +34,9 @@ def generate(
     Returns:
         What ``model.generate`` returns.
     """
-    batch = input_ids.shape[0]
+    if input_ids is not None:
+        generate_kwargs["input_ids"] = input_ids
+    batch = _batch(generate_kwargs)
     if isinstance(adapter_ids, torch.Tensor) and adapter_ids.dim() == 1 and adapter_ids.shape[0] == batch:
         # generate repeats each row num_beams * num_return_sequences times (repeat_interleave)
         config = getattr(model, "generation_config", None)
@@ -41,5 +44,14 @@ def generate(
         returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
         if beams * returns > 1:
             adapter_ids, batch = adapter_ids.repeat_interleave(beams * returns), batch * beams * returns
-    return scoped_call(model, adapter, lambda: model.generate(input_ids, **generate_kwargs),
-                       adapter_ids=adapter_ids, batch=batch)
+    return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=adapter_ids, batch=batch)
+
+
+def _batch(generate_kwargs: dict) -> int:
+    """The number of rows: ``input_ids``' first size, else that of the first tensor argument."""
+    first = generate_kwargs.get("input_ids")
+    if first is None:
+        first = next((v for v in generate_kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    if first is None:
+        raise ValueError("fastaf.generate: no input_ids and no tensor input in generate_kwargs (e.g. input_features)")
+    return first.shape[0]
