@@ -1,7 +1,8 @@
 """``fastaf-tune``: tune fastaf's Triton kernels for a model's layer shapes on this GPU.
 
     fastaf-tune                                   # BENCH.md shapes, tokens 2048/8192/16384, r 16/64
-    fastaf-tune --model-config config.json --tokens 8192 --ranks 16
+    fastaf-tune --model-config config.json --tokens 8192 --ranks 16   # every adapted linear
+    fastaf-tune --model-config config.json --targets q_proj,v_proj --print-shapes
     fastaf-tune --shapes 4096x4096,4096x14336 --kernels gemm,dispatch
     fastaf-tune --list | --clear
 
@@ -33,13 +34,54 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _model_shapes(path_or_json: str) -> list[tuple[int, int]]:
-    from fastaf.kernels.tuning import shapes_from_model_config
+def _model_shapes(path_or_json: str, targets: str | list[str] = "all-linear") -> list[tuple[int, int]]:
+    """(K, N) of every linear layer ``targets`` adapts in the model a config describes.
 
+    With a ``model_type`` (any HF config.json) the model is built on the meta device (no memory,
+    no weights) and the targets are resolved as ``fastaf.init_adapter`` resolves them, so Falcon's
+    fused query_key_value, GPT-2's Conv1D and a VLM's vision tower count. Fused 3-D MoE expert
+    parameters take the materialised path, not these kernels, and are left out. A config without
+    a model_type falls back to the Llama layout (q/k/v/o/gate/up/down from its sizes).
+    """
     text = path_or_json if path_or_json.lstrip().startswith("{") else Path(path_or_json).read_text()
     cfg = json.loads(text)
-    cfg = cfg.get("text_config", cfg)  # multimodal HF configs nest the language model's
-    return [(k, n) for _, k, n in shapes_from_model_config(cfg)]
+    if "model_type" not in cfg:
+        from fastaf.kernels.tuning import shapes_from_model_config
+
+        cfg = cfg.get("text_config", cfg)  # multimodal HF configs nest the language model's
+        return [(k, n) for _, k, n in shapes_from_model_config(cfg)]
+    return [(k, n) for _, k, n in _adapted_linears(cfg, targets)]
+
+
+def _adapted_linears(cfg: dict, targets: str | list[str]) -> list[tuple[str, int, int]]:
+    """(first module path, K, N) per distinct adapted linear shape of the model built from ``cfg``."""
+    import torch
+    import transformers
+
+    import fastaf as fa
+
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = None
+    with torch.device("meta"):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText,
+                     transformers.AutoModelForSeq2SeqLM, transformers.AutoModel):
+            try:
+                model = auto.from_config(config)
+                break
+            except ValueError:  # this auto class does not know the config
+                continue
+        if model is None:
+            raise SystemExit(f"fastaf-tune: transformers cannot build a model of type {cfg['model_type']!r}")
+        adapter = fa.init_adapter(model, fa.LoRAConfig(r=1, alpha=1.0, targets=targets))
+    seen, out = set(), []
+    for path, lora in adapter.items():
+        if lora.experts:
+            continue
+        shape = (lora.A.shape[-1], lora.B.shape[-2])
+        if shape not in seen:
+            seen.add(shape)
+            out.append((path, *shape))
+    return out
 
 
 _SHAPE_FIELDS = ("M", "K", "N", "R")  # printed first, in this order
@@ -89,7 +131,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fastaf.kernels.tuning import BENCH_RANKS, BENCH_SHAPES, BENCH_TOKENS, KERNELS
 
     p = argparse.ArgumentParser(prog="fastaf-tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-config", help="HF config.json path, or its JSON text")
+    p.add_argument("--model-config", help="HF config.json path, or its JSON text: tune every adapted linear")
+    p.add_argument("--targets", default="all-linear",
+                   help="with --model-config: comma-separated target names or 'all-linear' (default)")
+    p.add_argument("--print-shapes", action="store_true", help="print the shapes that would be tuned and stop")
     p.add_argument("--shapes", type=_shapes, help="comma-separated KxN (in x out), e.g. 4096x14336")
     p.add_argument("--tokens", type=_ints, default=BENCH_TOKENS, help="M values (default %(default)s)")
     p.add_argument("--ranks", type=_ints, default=BENCH_RANKS, help="LoRA ranks (default %(default)s)")
@@ -112,12 +157,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
+    targets = args.targets if args.targets == "all-linear" else [t for t in args.targets.split(",") if t]
+    shapes = args.shapes or (_model_shapes(args.model_config, targets) if args.model_config else BENCH_SHAPES)
+    if args.print_shapes:
+        print("\n".join(f"{k}x{n}" for k, n in shapes))
+        return 0
     if not torch.cuda.is_available():
         print("fastaf-tune: no CUDA GPU; nothing to tune (the CPU path runs the torch reference)", file=sys.stderr)
         return 1
     from fastaf.kernels.tuning import tune
 
-    shapes = args.shapes or (_model_shapes(args.model_config) if args.model_config else BENCH_SHAPES)
     t0 = time.time()
     print(f"fastaf-tune: {torch.cuda.get_device_name()}  shapes {shapes}  tokens {args.tokens}  "
           f"ranks {args.ranks}  kernels {kernels}", flush=True)

@@ -257,3 +257,24 @@ def test_a_failed_cache_write_leaves_no_temp_file(tmp_cache):
     with pytest.raises(TypeError):
         _cache.save({**_data(), "bad": object()})  # not JSON-serializable
     assert not list(tmp_cache.glob(".tune-*"))
+
+
+def test_cli_model_config_lists_every_adapted_linear_of_the_built_model(tmp_path, capsys):
+    """With a model_type the model is built on the meta device: Falcon's fused query_key_value and
+    GPT-2's Conv1D count, a target subset narrows the list, MoE experts (materialised) are left out."""
+    import transformers
+
+    falcon = transformers.FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       new_decoder_architecture=False)
+    gpt2 = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    mixtral = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    cases = [(falcon, "all-linear", ["32x48", "32x32", "32x128", "128x32"]),
+             (gpt2, "all-linear", ["32x96", "32x32", "32x128", "128x32"]),
+             (gpt2, "c_attn", ["32x96"]),
+             (mixtral, "all-linear", ["32x32", "32x16"])]
+    for cfg, targets, want in cases:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        assert cli.main(["--model-config", str(path), "--targets", targets, "--print-shapes"]) == 0
+        assert capsys.readouterr().out.split() == want, (cfg.model_type, targets)
