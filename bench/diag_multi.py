@@ -2,6 +2,7 @@
 
     python bench/diag_multi.py            # kernel times
     python bench/diag_multi.py --host     # host time per call, and a cProfile of the hot calls
+    python bench/diag_multi.py --sweep    # the segment kernels' tiles, split fill and warps per case
 
 Cases and providers as bench_multi (fwd and fwd_bwd of ``lora_linear_multi``, fused and not).
 Prints, per case, each kernel's summed CUDA time over 20 calls divided by 20.
@@ -68,5 +69,35 @@ def host() -> None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
+def sweep() -> None:
+    """Time shrink (h) and expand_ alone, CUDA-graph replays, over the module's tunables."""
+    import itertools
+
+    import triton.testing
+
+    from fastaf.kernels import lora_multi as LM
+
+    saved = (dict(LM.CUDA_BLOCKS), LM.FILL, LM.WARPS)
+    K = N = 4096
+    for n, t in CASES:
+        x = torch.randn(n * t, K, device="cuda", dtype=torch.bfloat16)
+        A = torch.randn(n, 16, K, device="cuda", dtype=torch.bfloat16)
+        Bt = torch.randn(n, N, 16, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        y = torch.randn(n * t, N, device="cuda", dtype=torch.bfloat16)
+        ids = torch.arange(n, device="cuda")
+        h = LM.shrink(x, A, ids)
+        for bk, fill, warps in itertools.product((64, 128, 256), (1, 2, 4), (4, 8)):
+            LM.CUDA_BLOCKS.update(BLOCK_K=bk, BLOCK_N=bk)
+            LM.FILL, LM.WARPS = fill, warps
+            LM._plans.clear()
+            us = [1e3 * triton.testing.do_bench_cudagraph(f, rep=50)
+                  for f in (lambda: LM.shrink(x, A, ids), lambda: LM.expand_(y, h, Bt, ids, 1.0))]
+            print(f"{n}x{t} BLOCK_K=N={bk} fill={fill} warps={warps}: shrink {us[0]:6.1f} us  expand {us[1]:6.1f} us",
+                  flush=True)
+    LM.CUDA_BLOCKS.update(saved[0])
+    LM.FILL, LM.WARPS = saved[1], saved[2]
+    LM._plans.clear()
+
+
 if __name__ == "__main__":
-    host() if "--host" in sys.argv else main()
+    sweep() if "--sweep" in sys.argv else host() if "--host" in sys.argv else main()

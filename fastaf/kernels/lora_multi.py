@@ -41,6 +41,13 @@ from .lora_linear_plan import _config, _dot_precision, _gemm_key, _meta, _tf32
 # ----------------------------------------------------------------------------------------------
 
 INTERPRET_BLOCKS = dict(BLOCK_K=32, BLOCK_N=16)  # small tiles: odd shapes exercise every tail
+# The segment kernels' tiles along K and N, reductions split until FILL programs per SM, and their
+# warps: best or within 0.3 us of it at every bench_multi case on the H100 (`bench/diag_multi.py
+# --sweep`, bench/results/diag-multi-sweep-*.txt: 64 x 64 h 11.9 us over 32 MB of x, decode h 5.9
+# and expand 4.4 us over 8 MB of factors each).
+CUDA_BLOCKS = dict(BLOCK_K=128, BLOCK_N=128)
+FILL = 2
+WARPS = 4
 FUSE_MIN_ROWS = 1024  # from this many rows the fused GEMM replaces cuBLAS + the expand kernel
 
 
@@ -50,7 +57,7 @@ def _block_m(S: int) -> int:
 
 
 def _blocks(device: torch.device) -> dict:
-    return INTERPRET_BLOCKS if device.type != "cuda" else dict(BLOCK_K=128, BLOCK_N=128)
+    return INTERPRET_BLOCKS if device.type != "cuda" else CUDA_BLOCKS
 
 
 def _splits(device: torch.device, programs: int, steps: int) -> int:
@@ -58,7 +65,7 @@ def _splits(device: torch.device, programs: int, steps: int) -> int:
     if device.type != "cuda":
         return min(2, steps)
     sms = _device_info(device.index)[1]
-    return max(1, min(steps, -(-2 * sms // max(programs, 1))))
+    return max(1, min(steps, -(-FILL * sms // max(programs, 1))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,7 +349,7 @@ def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, S: int, n_seg:
         bm, bl = _block_m(S), _blocks(dev)[block]
         split = _splits(dev, n_seg * _cdiv(S, bm), _cdiv(L, bl))
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), split), *_meta(
-            BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=4, num_stages=3,
+            BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=WARPS, num_stages=3,
             **_common(dev, dtype, R)))
     return plan
 
@@ -373,7 +380,7 @@ def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor
     if plan is None:
         bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), _cdiv(N, bn)), *_meta(
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=2, **_common(y.device, y.dtype, R)))
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=WARPS, num_stages=2, **_common(y.device, y.dtype, R)))
     grid, meta, key = plan
     _SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
     return y
