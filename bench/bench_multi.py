@@ -174,6 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-train-step", action="store_true")
     ap.add_argument("--name", default="multi")
+    ap.add_argument("--cases", default=",".join(f"{n}x{t}" for n, t in CASES), help="subset, e.g. 64x1")
     args = ap.parse_args()
     rows = []
 
@@ -183,7 +184,7 @@ def main() -> None:
                          "K": K, "N": N, "r": R, "dtype": "bfloat16",
                          **{k: tm[k] for k in ("ms", "p20", "p80", "rounds")}})
 
-    for n, t in CASES:
+    for n, t in (tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")):
         for mode in ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph"):
             fns = providers(n, t, mode)
             times = H.time_interleaved(fns, rounds=3, rep=150)
