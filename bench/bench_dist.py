@@ -128,7 +128,7 @@ def main() -> None:
         loss = train_step(ids[rank::world])
     final = pytree.tree_unflatten([t.detach().cpu() for t in leaves], spec)
     parity = None
-    if rank == 0:
+    if rank == 0 and args.parity_steps:  # --parity-steps 0: throughput only
         Path(args.parity_dir).mkdir(parents=True, exist_ok=True)
         torch.save(final, Path(args.parity_dir) / f"{args.model}-{args.engine}-{world}.pt")
         # against the first 1-GPU adapter of this model (fsdp2, else single)
