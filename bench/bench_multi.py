@@ -65,16 +65,23 @@ def peft_forward(x: torch.Tensor, w: torch.Tensor, A: torch.Tensor, B: torch.Ten
     return lambda: pm(x, adapter_names=names)
 
 
-def _with(name: str, value: int, fn):
-    """Run ``fn`` with one of the grouped op's dispatch thresholds forced (variants side by side)."""
+def _with(overrides: dict, fn):
+    """Run ``fn`` with some of the grouped op's dispatch thresholds forced (variants side by side)."""
     from fastaf.kernels import lora_multi
 
-    saved = getattr(lora_multi, name)
-    setattr(lora_multi, name, value)
+    saved = {k: getattr(lora_multi, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(lora_multi, k, v)
     try:
         return fn()
     finally:
-        setattr(lora_multi, name, saved)
+        for k, v in saved.items():
+            setattr(lora_multi, k, v)
+
+
+# forced variants, held over the whole provider call (forward and backward)
+VARIANTS = {"fastaf-fused": {"FUSE_MIN_ROWS": 0, "FUSE_MIN_SEGMENT": 0},
+            "fastaf-unfused": {"FUSE_MIN_ROWS": 1 << 62}}
 
 
 def graphed(fn):
@@ -103,8 +110,8 @@ def providers(n: int, t: int, mode: str) -> dict:
     ops = {
         "base": lambda: F.linear(x, w),
         "fastaf": lambda: lora_linear_multi(x, w, None, stack, ids),
-        "fastaf-fused": lambda: _with("FUSE_MIN_ROWS", 0, lambda: lora_linear_multi(x, w, None, stack, ids)),
-        "fastaf-unfused": lambda: _with("FUSE_MIN_ROWS", 1 << 62, lambda: lora_linear_multi(x, w, None, stack, ids)),
+        "fastaf-fused": lambda: lora_linear_multi(x, w, None, stack, ids),
+        "fastaf-unfused": lambda: lora_linear_multi(x, w, None, stack, ids),
         "fastaf-ref": lambda: lora_linear_multi(x, w, None, stack, ids, impl="torch"),
         "vmap": lambda: torch.func.vmap(lambda xi, lo: fa.functional.lora_linear(xi, w, None, lo))(x, stack),
         "loop": lambda: torch.stack([fa.functional.lora_linear(x[i], w, None, fa.LoRA(A[i], B[i], 2.0))
@@ -125,6 +132,7 @@ def providers(n: int, t: int, mode: str) -> dict:
 
         return {k: graphed(fwd_bwd(k)) for k in ("base", "fastaf")}
     if mode == "fwd":
+        ops = _forced(ops)
         ops["peft"] = peft_forward(x.reshape(n, t, K), w, A.detach(), B.detach())
         with torch.no_grad():  # every provider against the reference path
             ref = ops["fastaf-ref"]()
@@ -134,7 +142,12 @@ def providers(n: int, t: int, mode: str) -> dict:
                 assert err < 2e-2, (k, err)
         return ops
     inputs = (x, A, B)
-    return {k: (lambda f=f, k=k: torch.autograd.grad(f(), inputs if k != "base" else (x,), dy)) for k, f in ops.items()}
+    ops = {k: (lambda f=f, k=k: torch.autograd.grad(f(), inputs if k != "base" else (x,), dy)) for k, f in ops.items()}
+    return _forced(ops)
+
+
+def _forced(ops: dict) -> dict:
+    return {k: (lambda f=f, k=k: _with(VARIANTS[k], f)) if k in VARIANTS else f for k, f in ops.items()}
 
 
 def train_steps(n_adapters: int) -> dict:

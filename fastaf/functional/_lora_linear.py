@@ -201,7 +201,7 @@ def _bwd_impl(
     if _use_triton(impl, x) and _segmented(x, weight, None, a, b, dropout_p):
         (G, M, K), N, ids = x.shape, dy.shape[2], torch.arange(a.shape[0], device=x.device)
         dx, da, db = _multi_kernels().multi_bwd(dy.reshape(G * M, N), x.reshape(G * M, K), weight[0], a, b,
-                                                h.reshape(G * M, -1), ids, scale, needs_dx)
+                                                h.reshape(G * M, -1).contiguous(), ids, scale, needs_dx)
         dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
         return dx, da.to(a.dtype), db.to(b.dtype)
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
@@ -519,6 +519,15 @@ def _below(level: int, *tensors: Optional[Tensor]):
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
+def _autocast(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """x, weight and bias as autocast would cast them for F.linear (the custom ops sit below it)."""
+    if _any_autocast() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    return x, weight, bias
+
+
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: str, where: str) -> None:
     if not isinstance(lora, LoRA):
         raise TypeError(f"{where}: lora must be a fastaf.LoRA, got {type(lora).__name__}")
@@ -576,11 +585,7 @@ def lora_linear(
     Returns:
         (..., N) in x's dtype.
     """
-    if _any_autocast() and torch.is_autocast_enabled(x.device.type):
-        # The custom op sits below autocast, so cast here as autocast would cast F.linear.
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    x, weight, bias = _autocast(x, weight, bias)
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
     p = float(lora.dropout) if training else 0.0

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
-from ._lora_linear import _apply_single_level, _below, _direct_level, _direct_ok, _functorch
+from ._lora_linear import IMPLS, _apply_single_level, _autocast, _below, _direct_level, _direct_ok, _functorch
+
+_VMAP = _functorch.TransformType.Vmap
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -34,9 +36,10 @@ def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -
     """``ids`` for a layer's input of ``rows`` rows: one row per id; anything else is an error,
     never a guess (a layer laid out time-first, or over tokens gathered per expert, cannot be
     mapped to ids). ``flattened``: the layer flattened (batch, seq, K) to (batch * seq, K) in
-    batch-major order (GPT-2's Conv1D before its addmm), so each id covers seq consecutive rows."""
+    batch-major order (GPT-2's Conv1D before its addmm), so each id covers seq consecutive rows:
+    the segments ``lora_linear_multi`` derives from the row count."""
     if flattened and ids.shape[0] and rows % ids.shape[0] == 0:
-        return ids.repeat_interleave(rows // ids.shape[0])
+        return ids  # batch-major rows: example i is rows i*seq .. (i+1)*seq, one segment each
     if rows != ids.shape[0]:
         raise ValueError(
             f"{where}: adapter_ids has {ids.shape[0]} entries but the layer's input has {rows} rows; "
@@ -75,9 +78,9 @@ def reference_bwd(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h
     dys, hs = _segments(dy, ids), _segments(h.to(dy.dtype), ids)
     dh = scale * torch.bmm(dys, B) * gate  # (n_seg, S, R)
     slot = ids.clamp(min=0).long()
-    db = torch.zeros(b.shape, device=b.device, dtype=torch.float32).index_add_(
+    db = torch.zeros(b.shape, device=b.device, dtype=torch.float32).index_add(
         0, slot, (scale * torch.bmm(dys.transpose(1, 2), hs) * gate).float()).to(b.dtype)
-    da = torch.zeros(a.shape, device=a.device, dtype=torch.float32).index_add_(
+    da = torch.zeros(a.shape, device=a.device, dtype=torch.float32).index_add(
         0, slot, torch.bmm(dh.transpose(1, 2), _segments(x, ids)).float()).to(a.dtype)
     dx = (dy @ weight + torch.bmm(dh, A).reshape(x.shape)) if needs_dx else dy.new_empty(0, 0)
     return dx, da, db
@@ -147,7 +150,7 @@ def _(dy, x, weight, a, b, h, ids, scale, needs_dx, impl):
 
 
 class _LoRAMultiFn(torch.autograd.Function):
-    """Custom VJP of the grouped LoRA linear: x (T, K), a / b stacked in x's dtype, ids per segment."""
+    """Custom VJP of the grouped LoRA linear: x (T, K), a / b stacked (any float dtype), ids per segment."""
 
     @staticmethod
     def forward(x, weight, bias, a, b, ids, scale, impl):
@@ -165,6 +168,8 @@ class _LoRAMultiFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _dh):
+        if dy is None:
+            return (None,) * 8
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
         bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
@@ -235,8 +240,15 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     Returns:
         (batch, ..., N).
     """
-    if ids.device != x.device:
-        ids = ids.to(x.device, non_blocking=True)
+    if impl not in IMPLS:
+        raise ValueError(f"lora_linear_multi: impl must be one of {IMPLS}, got {impl!r}")
+    if not torch.compiler.is_compiling() and any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
+        raise NotImplementedError(
+            "adapter_ids does not run under torch.func.vmap: vmap over the stack without adapter_ids "
+            "(each vmapped call then takes one adapter), or pass adapter_ids without vmap")
+    # the kernels read ids[seg] at unit stride, on x's device
+    ids = ids.to(x.device, non_blocking=True).contiguous()
+    x, weight, bias = _autocast(x, weight, bias)
     if training and lora.dropout:
         return _reference_with_dropout(x, weight, bias, lora, ids)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

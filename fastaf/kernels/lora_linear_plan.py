@@ -46,11 +46,16 @@ _choice_memo: dict[tuple, str] = {}
 _plan_memo: dict[tuple, tuple] = {}
 
 
+_MEMOS: list[dict] = []  # other kernel families' plan memos built from _config (lora_multi's)
+
+
 def clear_memos() -> None:
     """Forget memoized configs, launch plans and dispatch choices (after the tuning cache changed)."""
     _config_memo.clear()
     _choice_memo.clear()
     _plan_memo.clear()
+    for memo in _MEMOS:
+        memo.clear()
     _cache.forget()
 
 

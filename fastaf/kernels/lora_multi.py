@@ -13,7 +13,8 @@ Jobs, as launches:
   (cuBLAS), then y += s * h @ B[g].T (``_multi_expand_kernel``, in place, skipped for -1 rows);
 - ``bwd``: dh = s * dy @ B[g] (``_multi_dh_kernel``), dB[g] = s * dy.T @ h and dA[g] = dh.T @ x
   (``_multi_dfactor_kernel``: one program per slot and block sums the slot's segments, so the
-  weight gradients take no atomics, are deterministic and come out in the factors' dtype), then
+  weight gradients take no atomics and come out in the factors' dtype; h and dh themselves are
+  summed with atomics when their reduction is split over programs), then
   dx = dy @ W (cuBLAS) += dh @ A[g] (the expand kernel again).
 From ``FUSE_MIN_ROWS`` rows, y and dx come from one persistent TMA GEMM with a per-segment LoRA
 epilogue (``_multi_gemm_kernel``) instead of cuBLAS plus the expand kernel.
@@ -37,7 +38,7 @@ from . import _launch
 from .lora_linear_kernels import _tile_coords
 from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available
 from .lora_linear_configs import MAX_RANK
-from .lora_linear_plan import _config, _dot_precision, _gemm_key, _meta, _tf32
+from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta, _tf32
 
 # ----------------------------------------------------------------------------------------------
 # Configs
@@ -51,7 +52,11 @@ INTERPRET_BLOCKS = dict(BLOCK_K=32, BLOCK_N=16)  # small tiles: odd shapes exerc
 CUDA_BLOCKS = dict(BLOCK_K=128, BLOCK_N=128)
 FILL = 2
 WARPS = 4
-FUSE_MIN_ROWS = 1024  # from this many rows the fused GEMM replaces cuBLAS + the expand kernel
+# From this many rows, in segments of at least FUSE_MIN_SEGMENT, the fused GEMM replaces cuBLAS + the
+# expand kernel (H100: 1.15x vs 1.22x the base at 64 x 64, 1.07x vs 1.17x at 8 x 1024, forward).
+# Shorter segments would run one rank dot per segment in each 128-row tile's epilogue: unmeasured.
+FUSE_MIN_ROWS = 1024
+FUSE_MIN_SEGMENT = 64
 
 
 def _block_m(S: int) -> int:
@@ -112,7 +117,7 @@ def _multi_h_kernel(
         for k0 in range(pid_k * chunk, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk,
                         mask=(offs_s[:, None] < S) & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
             at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                          mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
@@ -152,7 +157,7 @@ def _multi_expand_kernel(
                     mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0)  # (BLOCK_M, R_PAD) fp32
         u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
                     mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
         y = tl.load(y_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
         y = tl.dot((h * scale).to(dtype), u.to(dtype), y, input_precision=DOT_PRECISION)
         tl.store(y_ptrs, y.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
@@ -188,7 +193,7 @@ def _multi_dh_kernel(
         for n0 in range(pid_s * chunk, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_end
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :].to(tl.int64) * stride_dyn,
                          mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
             b = tl.load(b_ptr + slot * stride_bg + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, R_PAD)
@@ -238,7 +243,7 @@ def _multi_dfactor_kernel(
                 offs_s = s0 + tl.arange(0, BLOCK_M)
                 rows = (seg * S + offs_s).to(tl.int64)  # seg * S < T < 2**31
                 mask_m = offs_s < S
-                lhs = tl.load(lhs_ptr + rows[:, None] * stride_lm + offs_c[None, :] * stride_lc,
+                lhs = tl.load(lhs_ptr + rows[:, None] * stride_lm + offs_c[None, :].to(tl.int64) * stride_lc,
                               mask=mask_m[:, None] & mask_c[None, :], other=0.0)  # (BLOCK_M, BLOCK_C)
                 rhs = tl.load(rhs_ptr + rows[:, None] * R + offs_r[None, :],
                               mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_PAD)
@@ -327,6 +332,7 @@ def supported(x: torch.Tensor, a: torch.Tensor) -> bool:
 # building grids and meta dicts cost ~10 us of host time per call (triton.cdiv and
 # next_power_of_2 are constexpr functions in triton 3.6: a few us per host call).
 _plans: dict[tuple, tuple] = {}
+_MEMOS.append(_plans)  # fastaf-tune's clear_memos forgets them with lora_linear's (the fused GEMM reads tuned tiles)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -457,18 +463,20 @@ def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.
               h: torch.Tensor, ids: torch.Tensor, scale: float,
               needs_dx: bool, fused: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(dx (T, K) in x's dtype or None, dA (n, R, K) in a's dtype, dB (n, N, R) in b's dtype);
-    shapes as in forward. dA and dB are each stored once per slot: no atomics, deterministic."""
+    shapes as in forward. dA and dB are each stored once per slot, without atomics."""
     T, N = dy.shape
     R, n_seg = a.shape[1], ids.shape[0]
     S = T // n_seg
     grid, meta, key = _split_plan("dh", dy.device, dy.dtype, S, n_seg, N, R, "BLOCK_N")
     dh = _rank_rows(T, R, grid, dy.device)
     _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
-    db = _dfactor(dy, h, ids, torch.empty_like(b), scale)  # (n, N, R)
-    da = _dfactor(x, dh, ids, torch.empty_like(a).transpose(1, 2), 1.0).transpose(1, 2)  # (n, R, K)
+    # contiguous outputs whatever the stack's strides (the op's fake promises them)
+    db = _dfactor(dy, h, ids, torch.empty(b.shape, device=b.device, dtype=b.dtype), scale)  # (n, N, R)
+    da = torch.empty(a.shape, device=a.device, dtype=a.dtype)  # (n, R, K), written through its (n, K, R) view
+    _dfactor(x, dh, ids, da.transpose(1, 2), 1.0)
     if not needs_dx:
         return None, da, db
-    if fused if fused is not None else (T >= FUSE_MIN_ROWS and _fused_ok(dy, weight)):
+    if fused if fused is not None else (T >= FUSE_MIN_ROWS and S >= FUSE_MIN_SEGMENT and _fused_ok(dy, weight)):
         return fused_gemm(dy, weight, None, dh, a, ids, 1.0), da, db
     dx = expand_(dy @ weight, dh, a, ids, 1.0)
     return dx, da, db

@@ -221,14 +221,69 @@ def test_compiled_mixed_batch_step_on_the_grouped_kernels_equals_eager():
 
 
 @needs_triton
-def test_functional_call_on_the_grouped_kernels_equals_the_reference():
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_functional_call_on_the_grouped_kernels_equals_the_reference(name):
     """A whole model's mixed batch through the grouped kernels (impl="triton"; the interpreter on
-    CPU): logits and every slot's gradient as on the torch reference."""
-    model = tiny_llama()
-    ads, stack = _stack(model, ["q_proj", "v_proj", "down_proj"])
+    CPU): logits and every slot's gradient as on the torch reference. GPT-2's Conv1D flattens the
+    batch: its rows are still one segment per example."""
+    make, targets = MODELS[name]
+    model = make()
+    ads, stack = _stack(model, targets[:3])
     ids = token_batch(batch=len(IDS), seq=5)
     loss = lambda st, impl: fa.functional_call(model, st, (ids,), {"labels": ids}, adapter_ids=IDS, impl=impl).loss
     (g, v), (g_ref, v_ref) = (torch.func.grad_and_value(loss)(stack, impl) for impl in ("triton", "torch"))
     assert abs(v.item() - v_ref.item()) < 1e-5
     for path in stack:
         assert rel_err(g[path].A, g_ref[path].A) < 1e-4 and rel_err(g[path].B, g_ref[path].B) < 1e-4, path
+
+
+
+@needs_triton
+def test_ids_any_layout_int32_or_strided_give_the_same_result():
+    from fastaf.functional._multi import lora_linear_multi
+
+    x, w, bias, stack = _op_inputs(4, 3)
+    table = torch.tensor([[2, 9], [0, 9], [-1, 9], [1, 9]])
+    want = lora_linear_multi(x, w, bias, stack, table[:, 0].contiguous(), impl="torch")
+    for ids in (table[:, 0], table[:, 0].to(torch.int32)):  # stride 2; int32
+        assert rel_err(lora_linear_multi(x, w, bias, stack, ids, impl="triton"), want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ops_pass_opcheck_with_transposed_stacks(impl):
+    """Fakes, strides and schema of fastaf::lora_multi_fwd/bwd (torch.library.opcheck)."""
+    if impl == "triton" and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    x, w, bias, stack = _op_inputs(3, 2)
+    ids = torch.tensor([1, -1, 0])
+    a = stack.A.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    b = stack.B.transpose(1, 2).contiguous().transpose(1, 2)
+    x2 = x.reshape(-1, x.shape[-1])
+    y, h = torch.ops.fastaf.lora_multi_fwd(x2, w, bias, a, b, ids, 0.5, impl)
+    torch.library.opcheck(torch.ops.fastaf.lora_multi_fwd, (x2, w, bias, a, b, ids, 0.5, impl),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.fastaf.lora_multi_bwd, (torch.randn_like(y), x2, w, a, b, h, ids, 0.5, True, impl),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_autocast_casts_the_mixed_batch_as_it_casts_f_linear():
+    model = tiny_llama()
+    ads, stack = _stack(model, ["q_proj", "down_proj"])
+    ids = token_batch(batch=len(IDS))
+    loss = lambda st: fa.functional_call(model, st, (ids,), {"labels": ids}, adapter_ids=IDS).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g, v = torch.func.grad_and_value(loss)(stack)
+    g32, v32 = torch.func.grad_and_value(loss)(stack)
+    assert abs(v.item() - v32.item()) < 2e-2 * abs(v32.item())
+    for path in stack:
+        assert g[path].A.dtype == torch.float32 and rel_err(g[path].A, g32[path].A) < 0.1, path
+
+
+def test_adapter_ids_under_vmap_and_a_bad_impl_are_named_errors():
+    from fastaf.functional._multi import lora_linear_multi
+
+    x, w, bias, stack = _op_inputs(3, 2)
+    with pytest.raises(NotImplementedError, match="adapter_ids does not run under torch.func.vmap"):
+        torch.func.vmap(lambda xi: lora_linear_multi(xi, w, bias, stack, IDS[:3]))(x[None].expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        lora_linear_multi(x, w, bias, stack, IDS[:3], impl="trition")
