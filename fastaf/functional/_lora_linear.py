@@ -107,6 +107,13 @@ def _kernels():
     return _kernels_module
 
 
+def _shared_x(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, dropout_p: float) -> bool:
+    """vmap over a stack with x unbatched: every adapter over the same x and weight."""
+    G = a.shape[0]
+    return (G > 1 and x.shape[0] == 1 and b.shape[0] == G and weight.shape[0] == 1 and x.shape[1] > 0
+            and (bias is None or bias.shape[0] == 1) and dropout_p == 0.0 and _multi_kernels().supported(x, a))
+
+
 def _multi_kernels():
     """``fastaf.kernels.lora_multi``, imported on first use (grouped calls: vmap over a stack)."""
     from ..kernels import lora_multi
@@ -164,6 +171,10 @@ def _fwd_impl(
         y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], None if bias is None else bias[0],
                                           a, b, ids, scale)
         return y.view(G, M, -1), h.to(x.dtype).view(G, M, -1)
+    if _use_triton(impl, x) and _shared_x(x, weight, bias, a, b, dropout_p):
+        G, M = a.shape[0], x.shape[1]
+        y, h = _multi_kernels().shared_fwd(x[0], weight[0], None if bias is None else bias[0], a, b, scale)
+        return y.view(G, M, -1), h.to(x.dtype).view(G, M, -1)
     return reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed)
 
 
@@ -204,6 +215,12 @@ def _bwd_impl(
                                                 h.reshape(G * M, -1).contiguous(), ids, scale, needs_dx)
         dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
         return dx, da.to(a.dtype), db.to(b.dtype)
+    if _use_triton(impl, x) and _shared_x(x, weight, None, a, b, dropout_p):
+        G, (M, K), N = a.shape[0], x.shape[1:], dy.shape[2]
+        dx, da, db = _multi_kernels().shared_bwd(dy.reshape(G * M, N), x[0], weight[0], a, b,
+                                                 h.reshape(G * M, -1).contiguous(), scale, needs_dx)
+        dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
+        return dx, da, db
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
 
 

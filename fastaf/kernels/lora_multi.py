@@ -459,17 +459,55 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
     return out
 
 
+def _dh(dy: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """dh = s * dy @ B[g] per segment, fp32 (T, R); zeros on -1 segments."""
+    T, N = dy.shape
+    R, n_seg = b.shape[2], ids.shape[0]
+    S = T // n_seg
+    grid, meta, key = _split_plan("dh", dy.device, dy.dtype, S, n_seg, N, R, "BLOCK_N")
+    dh = _rank_rows(T, R, grid, dy.device)
+    _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
+    return dh
+
+
+def shared_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
+               b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """G adapters over one shared x (vmap over a stack, x unbatched): (y (G*M, N), h fp32 (G*M, R)).
+
+    h for every adapter is one cuBLAS GEMM against the stacked A (one pass over x); the base GEMM
+    runs once and is written G times, then the expand kernel adds each group's up-projection.
+    x (M, K), weight (N, K), a (G, R, K), b (G, N, R).
+    """
+    G, R, K = a.shape
+    M = x.shape[0]
+    h = (x @ a.reshape(G * R, K).to(x.dtype).T).view(M, G, R).transpose(0, 1).float().reshape(G * M, R)
+    y = torch.nn.functional.linear(x, weight, bias).repeat(G, 1)  # (G * M, N)
+    return expand_(y, h, b.transpose(1, 2), torch.arange(G, device=x.device), scale), h
+
+
+def shared_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               h: torch.Tensor, scale: float, needs_dx: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Backward of ``shared_fwd``: (dx (G*M, K) per group or None, dA (G, R, K), dB (G, N, R)).
+    dA for every adapter is one cuBLAS GEMM against x; dh, dB and dx's LoRA part are the kernels'."""
+    G, R, K = a.shape
+    M = x.shape[0]
+    ids = torch.arange(G, device=x.device)
+    dh = _dh(dy, b, ids, scale)  # (G * M, R)
+    db = _dfactor(dy, h, ids, torch.empty(b.shape, device=b.device, dtype=b.dtype), scale)
+    dh_m = dh.view(G, M, R).transpose(0, 1).reshape(M, G * R).to(x.dtype)
+    da = (dh_m.T @ x).view(G, R, K).to(a.dtype)
+    dx = expand_(dy @ weight, dh, a, ids, 1.0) if needs_dx else None
+    return dx, da, db
+
+
 def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               h: torch.Tensor, ids: torch.Tensor, scale: float,
               needs_dx: bool, fused: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(dx (T, K) in x's dtype or None, dA (n, R, K) in a's dtype, dB (n, N, R) in b's dtype);
     shapes as in forward. dA and dB are each stored once per slot, without atomics."""
-    T, N = dy.shape
-    R, n_seg = a.shape[1], ids.shape[0]
-    S = T // n_seg
-    grid, meta, key = _split_plan("dh", dy.device, dy.dtype, S, n_seg, N, R, "BLOCK_N")
-    dh = _rank_rows(T, R, grid, dy.device)
-    _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
+    T = dy.shape[0]
+    S = T // ids.shape[0]
+    dh = _dh(dy, b, ids, scale)
     # contiguous outputs whatever the stack's strides (the op's fake promises them)
     db = _dfactor(dy, h, ids, torch.empty(b.shape, device=b.device, dtype=b.dtype), scale)  # (n, N, R)
     da = torch.empty(a.shape, device=a.device, dtype=a.dtype)  # (n, R, K), written through its (n, K, R) view

@@ -287,3 +287,26 @@ def test_adapter_ids_under_vmap_and_a_bad_impl_are_named_errors():
         torch.func.vmap(lambda xi: lora_linear_multi(xi, w, bias, stack, IDS[:3]))(x[None].expand(2, -1, -1, -1))
     with pytest.raises(ValueError, match="impl must be one of"):
         lora_linear_multi(x, w, bias, stack, IDS[:3], impl="trition")
+
+
+
+@needs_triton
+def test_vmap_over_a_stack_with_x_unbatched_takes_the_shared_x_kernels(monkeypatch):
+    """Every adapter over one x: h and dA are one GEMM each against the stacked factors, the rest the
+    grouped kernels; values and gradients (stack and x) as on the reference."""
+    from fastaf.kernels import lora_multi
+
+    calls = []
+    for name in ("shared_fwd", "shared_bwd"):
+        fn = getattr(lora_multi, name)
+        monkeypatch.setattr(lora_multi, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    x, w, bias, stack = _op_inputs(1, 5)
+    x = x[0]
+    out = {}
+    for impl in ("triton", "torch"):
+        run = lambda xx, st: torch.func.vmap(lambda lo: fa.functional.lora_linear(xx, w, bias, lo, impl=impl))(st)
+        out[impl] = (run(x, stack), *torch.func.grad(lambda xx, st: (run(xx, st) ** 2).sum(), argnums=(0, 1))(x, stack))
+    assert calls.count("shared_fwd") >= 2 and "shared_bwd" in calls
+    (y, gx, gs), (y_ref, gx_ref, gs_ref) = out["triton"], out["torch"]
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(gx, gx_ref) < 1e-5
+    assert rel_err(gs.A, gs_ref.A) < 1e-5 and rel_err(gs.B, gs_ref.B) < 1e-5

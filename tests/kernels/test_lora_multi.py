@@ -104,3 +104,19 @@ def test_bf16_real_sizes_match_fp32_reference(n_seg, S, fused):
     ry, rh, rdx, rda, rdb = per_row_reference(f(x), f(w), None, f(a), f(b), ids.cpu(), 2.0, f(dy))
     for name, out, ref in [("y", y, ry), ("dx", dx, rdx), ("dA", da, rda), ("dB", db, rdb)]:
         assert_close(f(out), ref, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_x_bf16_matches_fp32_reference():
+    """vmap over a stack with x unbatched: every adapter over one x (lora_multi.shared_fwd/bwd)."""
+    G, M, K, N, R = 8, 256, 1024, 1024, 16
+    x, w, _, a, b, _, _ = make(1, M, K, N, R, G, device="cuda", dtype=torch.bfloat16, bias=False)
+    dy = torch.randn(G * M, N, device="cuda", dtype=torch.bfloat16)
+    y, h = lora_multi.shared_fwd(x, w, None, a, b, 2.0)
+    dx, da, db = lora_multi.shared_bwd(dy, x, w, a, b, h, 2.0, True)
+    f = lambda t: t.float().cpu()
+    ids = torch.arange(G)
+    ry, _, rdx, rda, rdb = per_row_reference(f(x).repeat(G, 1), f(w), None, f(a), f(b), ids, 2.0, f(dy))
+    for name, out, ref in [("y", y, ry), ("dx", dx, rdx), ("dA", da, rda), ("dB", db, rdb)]:
+        assert_close(f(out), ref, torch.bfloat16, name)
