@@ -324,6 +324,18 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
     return stack[-1].level()
 
 
+def _differentiated(dy: Tensor) -> bool:
+    """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
+    is active (one level's backward runs with create_graph, which alone needs no higher order);
+    under plain autograd, create_graph with a cotangent that carries history."""
+    if torch.compiler.is_compiling():
+        return False
+    stack = _functorch.get_interpreter_stack()
+    if stack:
+        return sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2
+    return torch.is_grad_enabled() and dy.requires_grad
+
+
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Reduce a per-group gradient (G, ...) to an input that broadcast over groups (1, ...)."""
     return grad.sum(0, keepdim=True) if grad.shape[0] != shape[0] else grad
@@ -360,12 +372,18 @@ class _LoRALinearFn(torch.autograd.Function):
             return (None,) * 9
         needs = ctx.needs_input_grad
         operands = (dy, x, weight, a, b, h, seed)
-        # First-order only: torch.func.grad runs backward with create_graph=True, and the op's
-        # default autograd kernel would then wrap it in an old-style Function that functorch
-        # rejects. no_grad keeps the call a plain op call.
-        bwd = _bwd_impl if _direct_ok(*operands) else torch.ops.fastaf.lora_linear_bwd
-        with torch.no_grad():
-            dx, da, db = bwd(*operands[:6], ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl)
+        if _differentiated(dy):
+            # grad of grad: the reference's ops, differentiable, with h recomputed from x
+            dropout_scale = _dropout_scale(x, ctx.dropout_p, seed)
+            h = (x if dropout_scale is None else x * dropout_scale) @ _t(a)
+            dx, da, db = reference_bwd(dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0])
+        else:
+            # First order: torch.func.grad runs backward with create_graph=True, and the op's
+            # default autograd kernel would then wrap it in an old-style Function that functorch
+            # rejects. no_grad keeps the call a plain op call.
+            bwd = _bwd_impl if _direct_ok(*operands) else torch.ops.fastaf.lora_linear_bwd
+            with torch.no_grad():
+                dx, da, db = bwd(*operands[:6], ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl)
         dweight, dbias = _vjp_weight_bias(dy, x, needs[1], needs[2])
         return (
             _sum_to(dx, x.shape) if needs[0] else None,
@@ -472,13 +490,21 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             dy = _functorch._unwrap_for_grad(dy, ctx.level)
             saved_layer = _functorch.pop_dynamic_layer_stack()
         # Under a grad level functorch runs backward with create_graph; this VJP is first order
-        # there. In plain autograd the reference's ops stay differentiable (double backward).
-        scope = torch.no_grad() if ctx.level or ctx.triton else contextlib.nullcontext()
+        # there. Plain autograd's double backward (create_graph) takes the reference's ops,
+        # differentiable, with h recomputed from x.
+        double = not ctx.level and _differentiated(dy)
+        scope = torch.no_grad() if not double else contextlib.nullcontext()
         try:
             with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
-                dx, da, db = _direct_bwd(dy2, x2, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, need_x,
-                                         ctx.impl, ctx.triton)
+                if double:
+                    keep = _dropout_scale(x2[None], ctx.dropout_p, seed)
+                    h = (x2 if keep is None else x2 * keep[0]) @ a.T
+                    dx, da, db = (t[0] for t in reference_bwd(dy2[None], x2[None], weight[None], a[None], b[None],
+                                                               h[None], ctx.scale, ctx.dropout_p, seed, need_x))
+                else:
+                    dx, da, db = _direct_bwd(dy2, x2, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, need_x,
+                                             ctx.impl, ctx.triton)
                 if need_x and dy.dim() != 2:
                     dx = dx.view(*dy.shape[:-1], x2.shape[-1])
                 dweight, dbias = _vjp_weight_bias(dy2, x2, need_w, need_bias)  # the frozen weight: only when it asks

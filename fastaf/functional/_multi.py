@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
-from ._lora_linear import IMPLS, _apply_single_level, _autocast, _below, _direct_level, _direct_ok, _functorch
+from ._lora_linear import (IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
+                           _direct_ok, _functorch)
 
 _VMAP = _functorch.TransformType.Vmap
 
@@ -84,6 +85,15 @@ def reference_bwd(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h
         0, slot, torch.bmm(dh.transpose(1, 2), _segments(x, ids)).float()).to(a.dtype)
     dx = (dy @ weight + torch.bmm(dh, A).reshape(x.shape)) if needs_dx else dy.new_empty(0, 0)
     return dx, da, db
+
+
+def _differentiable_bwd(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, ids: Tensor, scale: float,
+                        needs_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``reference_bwd`` for a backward that is itself differentiated: h recomputed from x, so
+    its dependence on x and A is part of the graph."""
+    A, _, gate = _gathered(a, b, ids, x.dtype)
+    h = (torch.bmm(_segments(x, ids), A.transpose(1, 2)) * gate).reshape(x.shape[0], a.shape[1])
+    return reference_bwd(dy, x, weight, a, b, h, ids, scale, needs_dx)
 
 
 # ---- 2. torch.library ops ----------------------------------------------------------------------
@@ -172,9 +182,12 @@ class _LoRAMultiFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
-        with torch.no_grad():  # first-order: keep the call a plain op call (see _LoRALinearFn)
-            dx, da, db = bwd(dy, x, weight, a, b, h, ids, ctx.scale, needs[0], ctx.impl)
+        if _differentiated(dy):  # grad of grad
+            dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, needs[0])
+        else:
+            bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
+            with torch.no_grad():  # first order: keep the call a plain op call (see _LoRALinearFn)
+                dx, da, db = bwd(dy, x, weight, a, b, h, ids, ctx.scale, needs[0], ctx.impl)
         dw = dy.transpose(0, 1) @ x if needs[1] else None
         dbias = dy.sum(0) if needs[2] and ctx.has_bias else None
         # dA and dB unconditionally: under torch.compile, a stack that torch.func.grad wraps as a
@@ -202,6 +215,12 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, a, b, h, ids = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
+        if not ctx.level and _differentiated(dy):  # autograd's double backward: differentiable reference
+            dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
+            dw = dy.transpose(0, 1) @ x if need_w else None
+            dbias = dy.sum(0) if need_bias and ctx.has_bias else None
+            return (None, dx if need_x else None, dw, dbias, da if need_a else None, db if need_b else None,
+                    None, None, None)
         with _below(ctx.level, dy) as (dy,), torch.no_grad():
             dx, da, db = _bwd_impl(dy, x, weight, a, b, h, ids, ctx.scale, need_x, ctx.impl)
             dw = dy.transpose(0, 1) @ x if need_w else None

@@ -297,3 +297,32 @@ def test_double_backward_in_plain_autograd_matches_the_formula():
     want = penalty(lambda xx: xx @ w.T + b + lo.scale * (xx @ A.T) @ B.T)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_grad_of_grad_through_the_op_equals_plain_torch(impl):
+    """A Hessian-vector product through the op (torch.func.grad of grad, and autograd's double
+    backward): the backward is differentiated, not taken as a constant (it once gave zeros)."""
+    torch.manual_seed(0)
+    K, N, r = 8, 6, 3
+    w, A, B = torch.randn(N, K, dtype=torch.float64), torch.randn(r, K, dtype=torch.float64), torch.randn(N, r, dtype=torch.float64)
+    x, v = torch.randn(4, K, dtype=torch.float64), torch.randn(4, K, dtype=torch.float64)
+
+    def hvp(fn):
+        f = lambda x: (fn(x) ** 3).sum()
+        return torch.func.grad(lambda x: (torch.func.grad(f)(x) * v).sum())(x)
+
+    want = hvp(lambda x: x @ w.T + 0.5 * (x @ A.T) @ B.T)
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    if impl == "triton":  # the kernels take fp32 (not fp64): compare in fp32
+        w, A, B, x, v = (t.float() for t in (w, A, B, x, v))
+        want = want.float()
+    got = hvp(lambda x: fa.functional.lora_linear(x, w, None, fa.LoRA(A, B, 0.5), impl=impl))
+    tol = 1e-10 if impl == "torch" else 1e-4
+    assert torch.allclose(got, want, rtol=tol, atol=tol)
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad((fa.functional.lora_linear(xg, w, None, fa.LoRA(A, B, 0.5), impl=impl) ** 3).sum(),
+                               xg, create_graph=True)
+    (hv,) = torch.autograd.grad((g * v).sum(), xg)
+    assert torch.allclose(hv, want, rtol=tol, atol=tol)
