@@ -60,7 +60,9 @@ FUSE_MIN_SEGMENT = 64
 
 
 def _block_m(S: int) -> int:
-    """Rows per block: the segment length rounded up to tl.dot's 16, at most 64."""
+    """Rows per block: the segment length rounded up to tl.dot's 16, at most 64 (the skinny
+    kernels' (BLOCK_M, R_PAD) accumulators and tiles stay in registers; lora_linear's fwd_h and
+    dh defaults use 64 as well)."""
     return min(64, _rank_pad(S))
 
 
@@ -451,7 +453,9 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
     if plan is None:
         bc = _blocks(lhs.device)["BLOCK_N"]
         plan = _plans[memo] = ((out.shape[0], _cdiv(C, bc)), *_meta(
-            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _rank_pad(n_seg)), num_warps=4, num_stages=3,
+            # ids scanned 64 at a time: one vector load each; a popular slot's segments are summed by
+            # one program per block (skewed ids serialise there: a known cost, not measured)
+            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _rank_pad(n_seg)), num_warps=WARPS, num_stages=3,
             **_common(lhs.device, lhs.dtype, R)))
     grid, meta, key = plan
     _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
