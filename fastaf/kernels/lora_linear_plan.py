@@ -14,7 +14,6 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import triton
 
 from fastaf.kernels import _cache, _dispatch
 from fastaf.kernels._device import _device_info, _hopper, _smem_limit, available
@@ -23,7 +22,9 @@ from fastaf.kernels.lora_linear_configs import (DEFAULTS, DEFAULTS_FP32, INTERPR
 
 
 def _r_pad(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))
+    """tl.dot's minimum of 16, else the next power of two (plain ints: triton.next_power_of_2 is a
+    constexpr function in triton 3.6, a few us per host call)."""
+    return max(16, 1 << (r - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -38,7 +38,7 @@ from . import _launch
 from .lora_linear_kernels import _tile_coords
 from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available
 from .lora_linear_configs import MAX_RANK
-from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta, _tf32
+from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta, _r_pad, _tf32
 
 # ----------------------------------------------------------------------------------------------
 # Configs
@@ -63,7 +63,7 @@ def _block_m(S: int) -> int:
     """Rows per block: the segment length rounded up to tl.dot's 16, at most 64 (the skinny
     kernels' (BLOCK_M, R_PAD) accumulators and tiles stay in registers; lora_linear's fwd_h and
     dh defaults use 64 as well)."""
-    return min(64, _rank_pad(S))
+    return min(64, _r_pad(S))
 
 
 def _blocks(device: torch.device) -> dict:
@@ -341,13 +341,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rank_pad(r: int) -> int:
-    """tl.dot's minimum of 16, else the next power of two."""
-    return max(16, 1 << (r - 1).bit_length())
-
-
 def _common(dev: torch.device, dtype: torch.dtype, R: int) -> dict:
-    return dict(R_PAD=_rank_pad(R), DOT_PRECISION=_dot_precision(dtype))
+    return dict(R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype))
 
 
 def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, S: int, n_seg: int, L: int, R: int,
@@ -455,7 +450,7 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
         plan = _plans[memo] = ((out.shape[0], _cdiv(C, bc)), *_meta(
             # ids scanned 64 at a time: one vector load each; a popular slot's segments are summed by
             # one program per block (skewed ids serialise there: a known cost, not measured)
-            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _rank_pad(n_seg)), num_warps=WARPS, num_stages=3,
+            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _r_pad(n_seg)), num_warps=WARPS, num_stages=3,
             **_common(lhs.device, lhs.dtype, R)))
     grid, meta, key = plan
     _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),

@@ -80,6 +80,19 @@ def test_fused_gemm_equals_cublas_plus_expand(n_seg, S):
 
 
 @cpu_kernels
+def test_fp16_with_fp32_factors_matches_the_reference():
+    """Half activations with fp32 master factors (read as they are, no cast) and fp32 dA/dB."""
+    x, w, bias, a, b, ids, dy = make(4, 9, 48, 32, 6, 3, seed=2)
+    x16, w16, bias16, dy16 = (t.half() for t in (x, w, bias, dy))
+    y, h = lora_multi.multi_fwd(x16, w16, bias16, a, b, ids, 0.7, fused=False)
+    dx, da, db = lora_multi.multi_bwd(dy16, x16, w16, a, b, h, ids, 0.7, True, fused=False)
+    assert (y.dtype, dx.dtype, da.dtype, db.dtype) == (torch.float16, torch.float16, torch.float32, torch.float32)
+    ry, _, rdx, rda, rdb = per_row_reference(x16, w16, bias16, a, b, ids, 0.7, dy16)
+    for name, out, ref in [("y", y, ry), ("dx", dx, rdx), ("dA", da, rda), ("dB", db, rdb)]:
+        assert_close(out, ref, torch.float16, name)
+
+
+@cpu_kernels
 def test_base_only_segments_are_the_base_layer_exactly():
     x, w, bias, a, b, ids, dy = make(4, 3, 24, 16, 4, 2)
     ids = torch.tensor([-1, 1, -1, 0])
