@@ -111,6 +111,11 @@ class _Registry(nn.Module):
         self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
         self.hooked: dict[str, tuple] = {}  # module path -> (pre-hook id, hook id) on that module
 
+    def forward(self, x: Any) -> Any:
+        """The identity: a container that calls its children in order (``nn.Sequential``) reaches
+        the registry last, after the model's own layers, and must get their output back."""
+        return x
+
     def extra_repr(self) -> str:
         return f"active={self.active!r}"
 

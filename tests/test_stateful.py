@@ -486,3 +486,22 @@ def test_push_on_a_rank_other_than_0_uploads_nothing(monkeypatch):
     monkeypatch.setattr(fa.distributed, "is_writer", lambda: False)
     monkeypatch.setattr(fastaf._hub, "upload_folder_to_hub", lambda *a, **k: pytest.fail("uploaded"))
     assert fa.push_adapter_to_hub(model, name="b", repo_id="alice/x") is None
+
+
+def test_init_on_a_sequential_keeps_its_forward():
+    """nn.Sequential calls every child in order, the registry (added last) included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    base = model(x)
+    fa.init(model)
+    assert torch.equal(model(x), base)
+    model.add_new_adapter("a", fa.LoRAConfig(r=2, alpha=4, targets=["0"]))
+    lora = model.get_adapter("a")["0"]
+    lora = fa.LoRA(lora.A, torch.randn_like(lora.B), lora.scale)
+    model.remove_adapter("a")
+    model.add_new_adapter("a", fa.Adapter({"0": lora}))
+    model.set_active_adapter("a")
+    first = torch.nn.functional.linear(x, model[0].weight, model[0].bias) + lora.scale * (x @ lora.A.T) @ lora.B.T
+    want = model[2](model[1](first))  # neither is targeted
+    torch.testing.assert_close(model(x), want)
