@@ -107,13 +107,6 @@ def _kernels():
     return _kernels_module
 
 
-def _shared_x(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, dropout_p: float) -> bool:
-    """vmap over a stack with x unbatched: every adapter over the same x and weight."""
-    G = a.shape[0]
-    return (G > 1 and x.shape[0] == 1 and b.shape[0] == G and weight.shape[0] == 1 and x.shape[1] > 0
-            and (bias is None or bias.shape[0] == 1) and dropout_p == 0.0 and _multi_kernels().supported(x, a))
-
-
 def _multi_kernels():
     """``fastaf.kernels.lora_multi``, imported on first use (grouped calls: vmap over a stack)."""
     from ..kernels import lora_multi
@@ -139,13 +132,16 @@ def _single_group(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or t.shape[0] == 1 for t in tensors)
 
 
-def _segmented(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, dropout_p: float) -> bool:
-    """vmap over a stack with x batched: G groups of M rows, each its own adapter, over one shared
-    weight. The grouped kernels run it with the base GEMM once over all G * M rows."""
+def _grouped_layout(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor,
+                    dropout_p: float) -> Optional[str]:
+    """How the grouped kernels take a call with G > 1 adapters over one shared weight (vmap over a
+    stack): "segments" when x is batched (G groups of M rows, the base GEMM once over all G * M
+    rows), "shared" when it is not (every adapter over the same x), else None (the reference)."""
     G = a.shape[0]
-    return (G > 1 and x.shape[0] == G and b.shape[0] == G and weight.shape[0] == 1 and x.shape[1] > 0
-            and (bias is None or bias.shape[0] == 1) and dropout_p == 0.0
-            and _multi_kernels().supported(x, a))
+    if not (G > 1 and b.shape[0] == G and weight.shape[0] == 1 and x.shape[1] > 0 and dropout_p == 0.0
+            and (bias is None or bias.shape[0] == 1) and _multi_kernels().supported(x, a)):
+        return None
+    return "segments" if x.shape[0] == G else "shared" if x.shape[0] == 1 else None
 
 
 def _fwd_impl(
@@ -166,14 +162,15 @@ def _fwd_impl(
             scale, dropout_p, seed, impl=impl,
         )
         return y[None], h[None]
-    if _use_triton(impl, x) and _segmented(x, weight, bias, a, b, dropout_p):
-        (G, M, K), ids = x.shape, torch.arange(a.shape[0], device=x.device)
-        y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], None if bias is None else bias[0],
-                                          a, b, ids, scale)
-        return y.view(G, M, -1), h.to(x.dtype).view(G, M, -1)
-    if _use_triton(impl, x) and _shared_x(x, weight, bias, a, b, dropout_p):
-        G, M = a.shape[0], x.shape[1]
-        y, h = _multi_kernels().shared_fwd(x[0], weight[0], None if bias is None else bias[0], a, b, scale)
+    layout = _grouped_layout(x, weight, bias, a, b, dropout_p) if _use_triton(impl, x) else None
+    if layout is not None:
+        G, M, K = a.shape[0], x.shape[1], x.shape[2]
+        bias0 = None if bias is None else bias[0]
+        if layout == "segments":
+            ids = torch.arange(G, device=x.device)
+            y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], bias0, a, b, ids, scale)
+        else:
+            y, h = _multi_kernels().shared_fwd(x[0], weight[0], bias0, a, b, scale)
         return y.view(G, M, -1), h.to(x.dtype).view(G, M, -1)
     return reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed)
 
@@ -209,16 +206,16 @@ def _bwd_impl(
         )
         dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
         return dx, da[None], db[None]
-    if _use_triton(impl, x) and _segmented(x, weight, None, a, b, dropout_p):
-        (G, M, K), N, ids = x.shape, dy.shape[2], torch.arange(a.shape[0], device=x.device)
-        dx, da, db = _multi_kernels().multi_bwd(dy.reshape(G * M, N), x.reshape(G * M, K), weight[0], a, b,
-                                                h.reshape(G * M, -1).contiguous(), ids, scale, needs_dx)
-        dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
-        return dx, da.to(a.dtype), db.to(b.dtype)
-    if _use_triton(impl, x) and _shared_x(x, weight, None, a, b, dropout_p):
-        G, (M, K), N = a.shape[0], x.shape[1:], dy.shape[2]
-        dx, da, db = _multi_kernels().shared_bwd(dy.reshape(G * M, N), x[0], weight[0], a, b,
-                                                 h.reshape(G * M, -1).contiguous(), scale, needs_dx)
+    layout = _grouped_layout(x, weight, None, a, b, dropout_p) if _use_triton(impl, x) else None
+    if layout is not None:
+        G, M, K, N = a.shape[0], x.shape[1], x.shape[2], dy.shape[2]
+        dy2, h2 = dy.reshape(G * M, N), h.reshape(G * M, -1).contiguous()
+        if layout == "segments":
+            ids = torch.arange(G, device=x.device)
+            dx, da, db = _multi_kernels().multi_bwd(dy2, x.reshape(G * M, K), weight[0], a, b, h2, ids, scale,
+                                                    needs_dx)
+        else:
+            dx, da, db = _multi_kernels().shared_bwd(dy2, x[0], weight[0], a, b, h2, scale, needs_dx)
         dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
         return dx, da, db
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)

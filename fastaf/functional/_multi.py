@@ -18,6 +18,7 @@ LoRA dropout in training takes the reference (a fresh torch dropout mask per cal
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -215,14 +216,12 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, a, b, h, ids = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
-        if not ctx.level and _differentiated(dy):  # autograd's double backward: differentiable reference
-            dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
-            dw = dy.transpose(0, 1) @ x if need_w else None
-            dbias = dy.sum(0) if need_bias and ctx.has_bias else None
-            return (None, dx if need_x else None, dw, dbias, da if need_a else None, db if need_b else None,
-                    None, None, None)
-        with _below(ctx.level, dy) as (dy,), torch.no_grad():
-            dx, da, db = _bwd_impl(dy, x, weight, a, b, h, ids, ctx.scale, need_x, ctx.impl)
+        double = not ctx.level and _differentiated(dy)  # autograd's double backward: differentiable reference
+        with _below(ctx.level, dy) as (dy,), (contextlib.nullcontext() if double else torch.no_grad()):
+            if double:
+                dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
+            else:
+                dx, da, db = _bwd_impl(dy, x, weight, a, b, h, ids, ctx.scale, need_x, ctx.impl)
             dw = dy.transpose(0, 1) @ x if need_w else None
             dbias = dy.sum(0) if need_bias and ctx.has_bias else None
         return (None, dx if need_x else None, dw, dbias, da if need_a else None, db if need_b else None,

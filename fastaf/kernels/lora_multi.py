@@ -341,7 +341,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _common(dev: torch.device, dtype: torch.dtype, R: int) -> dict:
+def _common(dtype: torch.dtype, R: int) -> dict:
     return dict(R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype))
 
 
@@ -356,7 +356,7 @@ def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, S: int, n_seg:
         split = _splits(dev, n_seg * _cdiv(S, bm), _cdiv(L, bl))
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), split), *_meta(
             BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=WARPS, num_stages=3,
-            **_common(dev, dtype, R)))
+            **_common(dtype, R)))
     return plan
 
 
@@ -386,7 +386,7 @@ def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor
     if plan is None:
         bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), _cdiv(N, bn)), *_meta(
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=WARPS, num_stages=2, **_common(y.device, y.dtype, R)))
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=WARPS, num_stages=2, **_common(y.dtype, R)))
     grid, meta, key = plan
     _SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
     return y
@@ -396,6 +396,12 @@ def _fused_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
     """The persistent TMA GEMM can run: Hopper (or the interpreter), 16-byte rows everywhere."""
     return (_hopper(x.device) and _rows_tma_ready(x) and (_tma_2d(w_kn, 0) or _tma_2d(w_kn, 1))
             and (w_kn.shape[1] * x.element_size()) % 16 == 0)
+
+
+def _fuse(x: torch.Tensor, w_kn: torch.Tensor, ids: torch.Tensor) -> bool:
+    """The dispatch between the fused GEMM and cuBLAS + the expand kernel (FUSE_MIN_*)."""
+    T = x.shape[0]
+    return T >= FUSE_MIN_ROWS and T // ids.shape[0] >= FUSE_MIN_SEGMENT and _fused_ok(x, w_kn)
 
 
 def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
@@ -414,7 +420,7 @@ def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor]
         tiles = _cdiv(T, conf["BLOCK_M"]) * _cdiv(N, conf["BLOCK_N"])
         programs = max(1, min(tiles, 2 if dev.type != "cuda" else _device_info(dev.index)[1]))
         plan = _plans[memo] = ((programs,), *_meta(HAS_BIAS=bias is not None, W_K_CONTIG=k_contig, **conf,
-                                                   **_common(dev, x.dtype, R)))
+                                                   **_common(x.dtype, R)))
     grid, meta, key = plan
     y = torch.empty((T, N), device=dev, dtype=x.dtype)
     if x.is_cuda:
@@ -432,7 +438,7 @@ def multi_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """(y (T, N) in x's dtype, h fp32 (T, R)). x (T, K), weight (N, K), bias (N,) or None,
     a (n, R, K), b (n, N, R) in x's dtype, ids (T // S,) int32/int64 on x's device."""
     h = shrink(x, a, ids)
-    if fused if fused is not None else (x.shape[0] >= FUSE_MIN_ROWS and _fused_ok(x, weight.T)):
+    if fused if fused is not None else _fuse(x, weight.T, ids):
         return fused_gemm(x, weight.T, bias, h, b.transpose(1, 2), ids, scale), h
     y = torch.nn.functional.linear(x, weight, bias)
     return expand_(y, h, b.transpose(1, 2), ids, scale), h
@@ -451,7 +457,7 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
             # ids scanned 64 at a time: one vector load each; a popular slot's segments are summed by
             # one program per block (skewed ids serialise there: a known cost, not measured)
             BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _r_pad(n_seg)), num_warps=WARPS, num_stages=3,
-            **_common(lhs.device, lhs.dtype, R)))
+            **_common(lhs.dtype, R)))
     grid, meta, key = plan
     _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
                              float(scale)), meta, key)
@@ -504,8 +510,6 @@ def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.
               needs_dx: bool, fused: Optional[bool] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(dx (T, K) in x's dtype or None, dA (n, R, K) in a's dtype, dB (n, N, R) in b's dtype);
     shapes as in forward. dA and dB are each stored once per slot, without atomics."""
-    T = dy.shape[0]
-    S = T // ids.shape[0]
     dh = _dh(dy, b, ids, scale)
     # contiguous outputs whatever the stack's strides (the op's fake promises them)
     db = _dfactor(dy, h, ids, torch.empty(b.shape, device=b.device, dtype=b.dtype), scale)  # (n, N, R)
@@ -513,7 +517,7 @@ def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.
     _dfactor(x, dh, ids, da.transpose(1, 2), 1.0)
     if not needs_dx:
         return None, da, db
-    if fused if fused is not None else (T >= FUSE_MIN_ROWS and S >= FUSE_MIN_SEGMENT and _fused_ok(dy, weight)):
+    if fused if fused is not None else _fuse(dy, weight, ids):
         return fused_gemm(dy, weight, None, dh, a, ids, 1.0), da, db
     dx = expand_(dy @ weight, dh, a, ids, 1.0)
     return dx, da, db
