@@ -201,7 +201,7 @@ class _LoRAMode(TorchFunctionMode):
         if self.ids is not None:
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
-                                     impl=self.impl)
+                                     impl=self.impl, where=route.path)
         return lora_linear(
             x, weight, bias, route.lora, impl=self.impl, training=route.module.training, where=route.path
         )

@@ -244,7 +244,7 @@ def _reference_with_dropout(x: Tensor, weight: Tensor, bias: Optional[Tensor], l
 
 
 def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA, ids: Tensor, *,
-                      training: bool = False, impl: str = "auto") -> Tensor:
+                      training: bool = False, impl: str = "auto", where: str = "lora_linear_multi") -> Tensor:
     """``F.linear(x, weight, bias)`` plus, for each example i, the LoRA of slot ``ids[i]``.
 
     Args:
@@ -255,15 +255,16 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
         ids: (batch,) int32/int64 in [-1, n); -1 is the base model. Moved to x's device.
         training: apply ``lora.dropout`` to the LoRA branch's input.
         impl: "auto" (grouped kernels on CUDA, the reference elsewhere), "triton" or "torch".
+        where: name used in error messages (functional_call passes the module path).
     Returns:
         (batch, ..., N).
     """
     if impl not in IMPLS:
-        raise ValueError(f"lora_linear_multi: impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
     if not torch.compiler.is_compiling() and any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
         raise NotImplementedError(
-            "adapter_ids does not run under torch.func.vmap: vmap over the stack without adapter_ids "
-            "(each vmapped call then takes one adapter), or pass adapter_ids without vmap")
+            f"{where}: adapter_ids does not run under torch.func.vmap (x {tuple(x.shape)}): vmap over the stack "
+            "without adapter_ids (each vmapped call then takes one adapter), or pass adapter_ids without vmap")
     # the kernels read ids[seg] at unit stride, on x's device
     ids = ids.to(x.device, non_blocking=True).contiguous()
     x, weight, bias = _autocast(x, weight, bias)
