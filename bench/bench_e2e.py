@@ -19,6 +19,9 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - base-compiled: ``torch.compile(model)``, forward + backward as ``base``.
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
   JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
+- ``<fastaf provider>-alone`` (e.g. fastaf-func-compiled-alone): the same with every adapted layer
+  alone (``_call.SHARE_INPUT = False``), where q/k/v and gate/up otherwise take their h from one
+  pass over their shared input: the old path beside the new, in one process.
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
   the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger,
   fastaf-autograd-liger and fastaf-init-liger. Liger patches transformers' Llama module globally, so it runs in a
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
+from fastaf.functional import _call  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
@@ -145,6 +149,18 @@ def fastaf_init_step(model, ids):
     return _autograd_step(lambda: m(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
+def _alone(step):
+    """``step`` with siblings' shared h off (read per call, also by a compiled step's guard)."""
+    def run():
+        _call.SHARE_INPUT = False
+        try:
+            return step()
+        finally:
+            _call.SHARE_INPUT = True
+
+    return run
+
+
 def _wall_ms(step, n: int = 5) -> dict:
     """CPU smoke-test timing (do_bench needs a GPU): median of n wall-clock steps."""
     import time
@@ -190,7 +206,9 @@ def main() -> None:
     for name in providers.split(","):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # each provider's own peak
-        step = makers[name](model, ids)
+        alone = name.endswith("-alone") and name.startswith("fastaf")
+        step = makers[name.removesuffix("-alone") if alone else name](model, ids)
+        step = _alone(step) if alone else step
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):

@@ -17,6 +17,12 @@ linear rule to fuse into: every torch call that receives the parameter gets ``W 
 made once per call at its first use (``fold_param``, one ``baddbmm``, as PEFT's ParamWrapper
 does), so indexing, transposes and grouped matmuls of the experts all see the adapted weight.
 Calls that only read metadata (``size``, ``data_ptr``, ...) see the parameter itself.
+
+Linear layers under one parent with one in_features (q/k/v/o, gate/up) are candidate siblings:
+when the first of them runs, h for all of them comes from one pass over its input
+(``_siblings.shared_h``), and a sibling that then runs on that very tensor takes its slice
+(``lora_linear_given_h``). One that runs on another tensor (o_proj, a cross-attention's k and v)
+starts again with the siblings that have not taken a slice yet. The mode holds one input at a time.
 """
 from __future__ import annotations
 
@@ -37,6 +43,11 @@ from ._adapter import Adapter, LoRA
 from ._lora_linear import lora_linear
 from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
+from ._siblings import lora_linear_given_h, shareable, shared_h
+
+# Siblings take their h from one pass over their shared input; False: each layer alone (the
+# path before, for benchmarks that run both in one process).
+SHARE_INPUT = True
 
 
 @dataclasses.dataclass
@@ -52,6 +63,8 @@ class _Route:
     hits: int = 0  # uses of the weight sent through lora_linear (or substituted)
     calls: int = 0  # calls of the module (counted by eager functional_call's hooks)
     merged: Tensor | None = None  # (ParamSpec) W + ΔW, made at its first use in the call
+    # candidate siblings sharing this layer's input (this route included); () when it has none
+    siblings: tuple[_Route, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
 _TensorBase = torch._C.TensorBase
@@ -89,12 +102,15 @@ class _LoRAMode(TorchFunctionMode):
         # transposed views of routed weights made during the call: id -> (route, view); the view
         # is held so its id is not reused
         self.views: dict[int, tuple[_Route, Tensor]] = {}
+        # the latest input shared by siblings: (x, their h by path, the paths that took theirs)
+        self.shared: tuple[Tensor, dict[str, Tensor], set[str]] | None = None
 
     def __enter__(self) -> _LoRAMode:
         # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
         # activation-checkpointing recompute, which must make (and save) its own.
         for route in self.params.values():
             route.merged = None
+        self.shared = None  # likewise the siblings' h: a recompute's x is a new tensor
         return super().__enter__()
 
     def all_routes(self) -> list[_Route]:
@@ -202,9 +218,31 @@ class _LoRAMode(TorchFunctionMode):
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                      impl=self.impl, where=route.path)
+        if route.siblings and SHARE_INPUT:
+            h = self._shared_h(route, x)
+            if h is not None:
+                return lora_linear_given_h(x, weight, bias, h, route.lora, impl=self.impl, where=route.path)
         return lora_linear(
             x, weight, bias, route.lora, impl=self.impl, training=route.module.training, where=route.path
         )
+
+    def _shared_h(self, route: _Route, x: Tensor) -> Tensor | None:
+        """``route``'s h from one pass over ``x`` shared with its siblings, or None (alone)."""
+        slot = self.shared
+        if slot is not None and slot[0] is x and route.path in slot[1]:
+            slot[2].add(route.path)
+            return slot[1][route.path]
+        # a new input: the siblings that have not run on the current one yet (all, for a new group)
+        ran = slot[2] if slot is not None and route.path in slot[1] else ()
+        group = [route] + [r for r in route.siblings if r is not route and r.path not in ran]
+        if len(group) < 2 or any(r.module.training and r.lora.dropout for r in group):
+            return None  # dropout draws a mask per layer: no shared h
+        loras = [r.lora for r in group]
+        if not shareable(x, loras):
+            return None
+        hs = shared_h(x, loras, impl=self.impl)
+        self.shared = (x, {r.path: h for r, h in zip(group, hs)}, {route.path})
+        return hs[0]
 
 
 def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
@@ -320,6 +358,7 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
         if id(weight) in routes:
             raise ValueError(f"{path} and {routes[id(weight)].path} share one weight tensor; adapt only one")
         routes[id(weight)] = _Route(path, module, weight, lora, spec, name)
+    _link_siblings(routes)
     if check:
         for path, module in modules.items():
             route = routes.get(id(getattr(module, "weight", None)))
@@ -329,6 +368,20 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
                     "get the same LoRA; adapt both or neither"
                 )
     return routes
+
+
+def _link_siblings(routes: dict[int, _Route]) -> None:
+    """Mark linear routes under one parent with one in_features as candidate siblings (q/k/v/o,
+    gate/up). A guess from the structure: the call shares h only between siblings that really
+    get the same input tensor, so a wrong guess (o_proj) costs r more columns of h, no more."""
+    groups: dict[tuple[str, int], list[_Route]] = {}
+    for route in routes.values():
+        if isinstance(route.spec, LinearSpec):
+            groups.setdefault((route.path.rpartition(".")[0], route.spec.in_features), []).append(route)
+    for members in groups.values():
+        if len(members) > 1:
+            for route in members:
+                route.siblings = tuple(members)
 
 
 def adapter_mode(

@@ -559,11 +559,13 @@ def _below(level: int, *tensors: Optional[Tensor]):
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def _autocast(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _autocast(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
+              ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """x, weight and bias as autocast would cast them for F.linear (the custom ops sit below it)."""
     if _any_autocast() and torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
+        x = x.to(dtype)
+        weight = None if weight is None else weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     return x, weight, bias
 

@@ -361,3 +361,56 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     da = bwd_da(dh, x, dropout_p, seed, da=work[M * R:].view(R, K))  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
     return dx, da.to(a.dtype), db
+
+
+# ---- projections that share one input (q/k/v, gate/up): h and dA in one pass over x each ----
+#
+# The siblings' A factors are stacked on the rank axis, a (R, K) with R the sum of their ranks:
+# h (M, R) = x @ a.T is one fwd_h launch and dA (R, K) = dh.T @ x one bwd_da launch, where each
+# sibling alone would read x once more in forward and once more in backward. Each sibling's own
+# GEMM then takes its column slice of h (any strides). ``n`` is the first sibling's N: the
+# dispatch follows the choice its own forward or backward would make at (M, K, N, R).
+
+
+def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, impl: str) -> torch.Tensor:
+    """h = x @ a.T, (M, R) in x's dtype. x (M, K), a (R, K) the siblings' A stacked."""
+    (M, K), R = x.shape, a.shape[0]
+    if _choose(impl, "fwd", x, M, K, n, R) == "addmm":
+        return x @ a.T
+    return fwd_h(x, a, 0.0, None)
+
+
+def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, impl: str) -> torch.Tensor:
+    """dA = dh.T @ x, (R, K) in fp32 (the kernel) or x's dtype (cuBLAS). dh (M, R) contiguous."""
+    (M, K), R = x.shape, dh.shape[1]
+    if _choose(impl, "bwd", x, M, K, n, R) == "addmm":
+        return torch.mm(dh.T, x)
+    return bwd_da(dh, x, 0.0, None)
+
+
+def given_h_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
+                b: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
+    """y = x @ weight.T + bias + scale * h @ b.T, (M, N), with h (M, R) given (any strides)."""
+    (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
+    if _choose(impl, "fwd", x, M, K, N, R) == "addmm":
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y.addmm_(h, b.T, alpha=scale)
+    return gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)
+
+
+def given_h_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                h: torch.Tensor, scale: float, needs_dx: bool,
+                impl: str) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(dx (M, K) = dy @ weight + dh @ a or None, dh (M, R) = s * dy @ b, db (N, R) = s * dy.T @ h).
+
+    dA is left to ``shared_da``, once for all siblings; dh comes back in fp32 (kernel) or dy's dtype.
+    """
+    (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
+    if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
+        dh = torch.addmm(h, dy, b, beta=0, alpha=scale)  # (M, R); beta=0: h only lends its shape
+        db = torch.addmm(b, dy.T, h, beta=0, alpha=scale)  # (N, R)
+        dx = torch.mm(dy, weight).addmm_(dh, a) if needs_dx else None
+        return dx, dh, db
+    dh, db = bwd_dy(dy, b, h, scale)  # fp32 (M, R), (N, R) in b's dtype
+    dx = gemm(dy, weight, dh, a, None, 1.0, 0.0, None, dy.dtype) if needs_dx else None
+    return dx, dh, db

@@ -1,0 +1,309 @@
+"""Sibling projections that read one input (q/k/v, gate/up): their h in one pass over x.
+
+For siblings i = 1..n over the same x (M, K), each with its own W_i, A_i (r_i, K), B_i, s_i:
+
+    [h_1 .. h_n] = x @ [A_1; ..; A_n].T       one pass over x for all i          ``shared_h``
+    y_i = x @ W_i.T + bias_i + s_i * h_i @ B_i.T                                  ``lora_linear_given_h``
+
+and in backward
+
+    dh_i = s_i * dy_i @ B_i,  dB_i = s_i * dy_i.T @ h_i,  dx_i = dy_i @ W_i + dh_i @ A_i   (given_h)
+    [dA_1 .. dA_n] = [dh_1 .. dh_n].T @ x     one pass over x for all i          (shared_h)
+
+where ``lora_linear`` per sibling reads x twice more (h in forward, dA in backward) for each
+extra sibling. The VJP is split across the two ops: ``given_h`` returns x's whole gradient
+through its sibling (dh_i @ A_i folded into the dX GEMM, as ``lora_linear`` does) and no
+gradient for A_i; ``shared_h`` returns the A gradients and none for x. Summed over the graph
+this is the exact VJP of y_i(x, A_i, B_i). A differentiated backward (grad of grad,
+``create_graph``) runs the reference's ops, which record how each computed gradient depends on
+x and the factors, so higher orders stay exact.
+
+Only ``functional_call`` uses these, for siblings it has seen take the same x object, outside
+``torch.func.vmap`` and without LoRA dropout; the ops have no vmap rule for that reason.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._adapter import LoRA
+from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
+                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _unsafe_view,
+                           _use_triton, _vjp_weight_bias)
+
+# ---- 1. reference ------------------------------------------------------------------------------
+
+
+def reference_given_h_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, b: Tensor,
+                          scale: float) -> Tensor:
+    """y (M, N) = x @ weight.T + bias + scale * h @ b.T; x (M, K), h (M, R), b (N, R)."""
+    return F.linear(x, weight, bias) + scale * (h @ b.T)
+
+
+def reference_given_h_bwd(dy: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, scale: float,
+                          needs_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx (M, K) or (0, 0), dh (M, R), dB (N, R)) of one sibling; dA is ``shared_h``'s."""
+    dh = scale * (dy @ b)
+    db = scale * (dy.T @ h)
+    dx = dy @ weight + dh @ a if needs_dx else dy.new_empty(0, 0)
+    return dx, dh, db
+
+
+def _da_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 on the reference
+
+
+# ---- 2. torch.library ops ----------------------------------------------------------------------
+
+
+def _shared_h_impl(x: Tensor, a: Tensor, n: int, impl: str) -> Tensor:
+    """h (M, R) = x @ a.T in x's dtype; x (M, K), a (R, K) the siblings' A stacked on rank.
+    ``n``: the first sibling's N, for the dispatch choice."""
+    if _use_triton(impl, x):
+        return _kernels().shared_h(x, a, n, impl)
+    return x @ a.T
+
+
+def _shared_da_impl(dh: Tensor, x: Tensor, n: int, impl: str) -> Tensor:
+    """dA (R, K) = dh.T @ x in fp32 (fp64 for fp64 x); dh (M, R) contiguous."""
+    if _use_triton(impl, x):
+        return _as_dtype(_kernels().shared_da(dh, x, n, impl), torch.float32)
+    return (dh.T @ x).to(_da_dtype(x))
+
+
+def _given_h_fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, b: Tensor, scale: float,
+                      impl: str) -> Tensor:
+    if _use_triton(impl, x):
+        return _kernels().given_h_fwd(x, weight, bias, h, b, scale, impl)
+    return reference_given_h_fwd(x, weight, bias, h, b, scale)
+
+
+def _given_h_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, scale: float,
+                      needs_dx: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx (M, K) or (0, 0), dh (M, R) in h's dtype, dB (N, R) in b's dtype)."""
+    if _use_triton(impl, x):
+        dx, dh, db = _kernels().given_h_bwd(dy, x, weight, a, b, h, scale, needs_dx, impl)
+        return (dy.new_empty(0, 0) if dx is None else dx), _as_dtype(dh, h.dtype), db
+    return reference_given_h_bwd(dy, weight, a, b, h, scale, needs_dx)
+
+
+lora_shared_h = torch.library.custom_op("fastaf::lora_shared_h", mutates_args=())(_shared_h_impl)
+lora_shared_da = torch.library.custom_op("fastaf::lora_shared_da", mutates_args=())(_shared_da_impl)
+lora_given_h_fwd = torch.library.custom_op("fastaf::lora_given_h_fwd", mutates_args=())(_given_h_fwd_impl)
+lora_given_h_bwd = torch.library.custom_op("fastaf::lora_given_h_bwd", mutates_args=())(_given_h_bwd_impl)
+
+
+@lora_shared_h.register_fake
+def _(x, a, n, impl):
+    return x.new_empty(x.shape[0], a.shape[0])
+
+
+@lora_shared_da.register_fake
+def _(dh, x, n, impl):
+    return x.new_empty(dh.shape[1], x.shape[1], dtype=_da_dtype(x))
+
+
+@lora_given_h_fwd.register_fake
+def _(x, weight, bias, h, b, scale, impl):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@lora_given_h_bwd.register_fake
+def _(dy, x, weight, a, b, h, scale, needs_dx, impl):
+    dx = dy.new_empty(x.shape) if needs_dx else dy.new_empty(0, 0)
+    return dx, h.new_empty(h.shape), b.new_empty(b.shape)
+
+
+# ---- 3. the differentiable ops -----------------------------------------------------------------
+
+
+def _flat(x: Tensor) -> Tensor:
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _cat_grads(dhs: Sequence[Optional[Tensor]], ranks: Sequence[int], x: Tensor) -> Tensor:
+    """[dh_1 .. dh_n] (M, R); a sibling whose h got no gradient contributes zeros."""
+    return torch.cat([x.new_zeros(x.shape[0], r) if d is None else d for d, r in zip(dhs, ranks)], dim=1)
+
+
+class _SharedHFn(torch.autograd.Function):
+    """``shared_h``'s VJP for tracers (``torch.compile``) and grad of grad: dA for every sibling, no dx."""
+
+    @staticmethod
+    def forward(x, n, impl, *a):  # x (M, K), each a (r_i, K) in x's dtype
+        op = _shared_h_impl if _direct_ok(x, *a) else torch.ops.fastaf.lora_shared_h
+        return tuple(op(x, torch.cat(a), n, impl).split([t.shape[0] for t in a], dim=1))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, n, impl, *a = inputs
+        ctx.save_for_backward(x)
+        ctx.n, ctx.impl, ctx.ranks, ctx.dtypes = n, impl, [t.shape[0] for t in a], [t.dtype for t in a]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *dhs):
+        (x,) = ctx.saved_tensors
+        dh = _cat_grads(dhs, ctx.ranks, x)
+        if _differentiated(dh):
+            da = dh.T @ x
+        else:
+            op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
+            with torch.no_grad():  # first order: a plain op call (see _LoRALinearFn.backward)
+                da = op(dh.contiguous(), x, ctx.n, ctx.impl)
+        return (None, None, None, *(d.to(t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes)))
+
+
+class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
+    """``_SharedHFn`` for plain eager autograd and one ``torch.func.grad`` level (see
+    ``_LoRALinearDirect``); A keeps its own dtype (cast inside, gradients cast back)."""
+
+    @staticmethod
+    def forward(ctx, level, n, impl, x, *a):
+        with _below(level, x, *a) as (x, *a):
+            x2 = _flat(x)
+            ctx.dtypes, ctx.ranks = [t.dtype for t in a], [t.shape[0] for t in a]
+            h = _shared_h_impl(x2, torch.cat([_as_dtype(t, x.dtype) for t in a]), n, impl)
+            hs = h.split(ctx.ranks, dim=1)
+        ctx.save_for_backward(x2)
+        ctx.level, ctx.n, ctx.impl = level, n, impl
+        ctx.set_materialize_grads(False)
+        return tuple(_functorch._wrap_for_grad(t, level) for t in hs) if level else hs
+
+    @staticmethod
+    def backward(ctx, *dhs):
+        (x2,) = ctx.saved_tensors
+        first = next((d for d in dhs if d is not None), None)
+        if first is None:
+            return (None,) * (4 + len(dhs))
+        double = not ctx.level and _differentiated(first)
+        with _below(ctx.level, *dhs) as dhs, (contextlib.nullcontext() if double else torch.no_grad()):
+            dh = _cat_grads(dhs, ctx.ranks, x2)
+            da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.impl)
+            das = tuple(_as_dtype(d, t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes))
+        return (None, None, None, None, *das)
+
+
+class _GivenHFn(torch.autograd.Function):
+    """``lora_linear_given_h``'s VJP for tracers and grad of grad: dx, dh, dB; dA is ``shared_h``'s."""
+
+    @staticmethod
+    def forward(x, weight, bias, h, a, b, scale, impl):  # x (M, K), a / b in x's dtype
+        op = _given_h_fwd_impl if _direct_ok(x, weight, bias, h, b) else torch.ops.fastaf.lora_given_h_fwd
+        return op(x, weight, bias, h, b, scale, impl)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, h, a, b, scale, impl = inputs
+        ctx.save_for_backward(x, weight, h, a, b)
+        ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 8
+        x, weight, h, a, b = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if _differentiated(dy):
+            dx, dh, db = reference_given_h_bwd(dy, weight, a, b, h, ctx.scale, needs[0])
+        else:
+            op = _given_h_bwd_impl if _direct_ok(dy, x, weight, a, b, h) else torch.ops.fastaf.lora_given_h_bwd
+            with torch.no_grad():
+                dx, dh, db = op(dy, x, weight, a, b, h, ctx.scale, needs[0], ctx.impl)
+        dw, dbias = _vjp_weight_bias(dy, x, needs[1], needs[2] and ctx.has_bias)
+        # dh and dB unconditionally: under torch.compile a factor that torch.func.grad wraps as a
+        # graph input can read as not requiring grad here (see _LoRAMultiFn.backward)
+        return (dx if needs[0] else None), dw, dbias, dh, None, db, None, None
+
+
+class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
+    """``_GivenHFn`` for plain eager autograd and one ``torch.func.grad`` level."""
+
+    @staticmethod
+    def forward(ctx, level, x, weight, bias, h, a, b, scale, impl):
+        with _below(level, x, weight, bias, h, a, b) as (x, weight, bias, h, a, b):
+            x2 = _flat(x)
+            ctx.b_dtype = b.dtype
+            a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
+            y = _given_h_fwd_impl(x2, weight, bias, h, b, scale, impl)
+            if x.dim() != 2:  # not an autograd view: models modify a layer's output in place (Falcon)
+                shape = (*x.shape[:-1], weight.shape[0])
+                y = _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
+        ctx.save_for_backward(x2, weight, h, a, b)
+        ctx.level, ctx.scale, ctx.impl = level, scale, impl
+        ctx.set_materialize_grads(False)
+        return _functorch._wrap_for_grad(y, level) if level else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 9
+        x2, weight, h, a, b = ctx.saved_tensors
+        need_x, need_w, need_bias, need_h, _, need_b = ctx.needs_input_grad[1:7]
+        double = not ctx.level and _differentiated(dy)
+        with _below(ctx.level, dy) as (dy,), (contextlib.nullcontext() if double else torch.no_grad()):
+            dy2 = _flat(dy)
+            if double:
+                dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, h, ctx.scale, need_x)
+            else:
+                dx, dh, db = _given_h_bwd_impl(dy2, x2, weight, a, b, h, ctx.scale, need_x, ctx.impl)
+            if need_x and dy.dim() != 2:
+                dx = dx.view(*dy.shape[:-1], x2.shape[-1])
+            dw, dbias = _vjp_weight_bias(dy2, x2, need_w, need_bias)
+            db = _as_dtype(db, ctx.b_dtype) if need_b else None
+        return None, (dx if need_x else None), dw, dbias, (dh if need_h else None), None, db, None, None
+
+
+_shared_direct_apply = _SharedHDirect.apply
+_given_direct_apply = _GivenHDirect.apply
+
+
+# ---- 4. entry points (functional_call's) ---------------------------------------------------------
+
+
+def shareable(x: object, loras: Sequence[LoRA]) -> bool:
+    """Whether siblings with ``loras`` can take their h from one ``shared_h`` over ``x``: a float
+    tensor of their in_features, unstacked plain factors, outside vmap (the caller checks dropout)."""
+    if not isinstance(x, Tensor) or x.dim() == 0 or x.numel() == 0 or x.dtype not in _OP_DTYPES:
+        return False
+    if any(l.stacked or l.experts or l.in_features != x.shape[-1] for l in loras):
+        return False
+    return torch.compiler.is_compiling() or _direct_level(x, *(l.A for l in loras)) >= 0
+
+
+def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[Tensor, ...]:
+    """h_i = x @ A_i.T for every LoRA, (M, r_i) each with M = x.numel() // K, from one pass over x.
+
+    x: (..., K); each LoRA's A (r_i, K) in any float dtype (cast to x's, gradients cast back).
+    Pass each h_i to ``lora_linear_given_h`` with the same x and LoRA.
+    """
+    x = _autocast(x, None, None)[0]
+    n = loras[0].out_features
+    factors = [l.A for l in loras]
+    level = _direct_level(x, *factors)
+    if level >= 0:
+        return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
+    return _SharedHFn.apply(_flat(x), n, impl, *(l.A.to(x.dtype) for l in loras))
+
+
+def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, lora: LoRA, *,
+                        impl: str = "auto", where: str = "lora_linear") -> Tensor:
+    """``lora_linear(x, weight, bias, lora)`` with its h (M, r) from ``shared_h`` over the same x.
+
+    x: (..., K); weight (N, K); bias (N,) or None. Returns (..., N) in x's dtype. No dropout.
+    """
+    x, weight, bias = _autocast(x, weight, bias)
+    if not torch.compiler.is_compiling():
+        _check(x, weight, bias, lora, impl, where)
+    scale = float(lora.scale)
+    level = _direct_level(x, weight, bias, h, lora.A, lora.B)
+    if level >= 0:
+        return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
+    y = _GivenHFn.apply(_flat(x), weight, bias, h, lora.A.to(x.dtype), lora.B.to(x.dtype), scale, impl)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

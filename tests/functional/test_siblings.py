@@ -1,0 +1,201 @@
+"""Siblings sharing one input (q/k/v, gate/up): ``shared_h`` + ``lora_linear_given_h`` against
+``lora_linear`` per layer, and ``functional_call`` with sharing on against it off."""
+import os
+
+import pytest
+import torch
+
+import fastaf as fa
+from fastaf.functional import _call, _siblings, lora_linear
+from tests._models import random_adapter, tiny_bart, tiny_llama, tiny_qwen2, token_batch
+from tests._tolerances import REL_TOL, assert_close, rel_err
+
+IMPLS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def leaves(tree):
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+def siblings(K=24, ns=(16, 8, 8), ranks=(4, 2, 5), factor_dtype=torch.float32, seed=0):
+    """Weights, biases and LoRAs of len(ns) layers reading one (.., K) input; ranks differ."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    layers = []
+    for n, rank in zip(ns, ranks):
+        lora = fa.LoRA(r(rank, K).to(factor_dtype).requires_grad_(), r(n, rank).to(factor_dtype).requires_grad_(),
+                       scale=0.5 + rank / 10)
+        layers.append((r(n, K), r(n), lora))
+    return layers
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_h_and_given_h_equal_lora_linear_per_layer(impl, dtype):
+    layers = siblings(factor_dtype=torch.float32)  # fp32 master factors, also under bf16 x
+    x = torch.randn(3, 7, 24).to(dtype).requires_grad_()
+    dys = [torch.randn(3, 7, w.shape[0]).to(dtype) for w, _, _ in layers]
+
+    def run(shared):
+        hs = _siblings.shared_h(x, [l for _, _, l in layers], impl=impl) if shared else None
+        ys = [_siblings.lora_linear_given_h(x, w.to(dtype), b.to(dtype), hs[i], l, impl=impl) if shared
+              else lora_linear(x, w.to(dtype), b.to(dtype), l, impl=impl)
+              for i, (w, b, l) in enumerate(layers)]
+        inputs = [x] + [t for _, _, l in layers for t in (l.A, l.B)]
+        return ys, torch.autograd.grad(ys, inputs, dys)
+
+    (ys, grads), (ys0, grads0) = run(True), run(False)
+    key = dtype if dtype != torch.float32 or impl == "torch" else "tf32"
+    for y, y0 in zip(ys, ys0):
+        assert y.dtype == dtype
+        assert_close(y, y0, key, "y")
+    names = ["dx"] + [f"d{f}{i}" for i in range(len(layers)) for f in "AB"]
+    for name, g, g0 in zip(names, grads, grads0):
+        assert g.dtype == g0.dtype, name  # gradients in each factor's own dtype
+        assert_close(g, g0, key, name)
+
+
+def test_a_sibling_whose_output_is_unused_contributes_no_gradient():
+    layers = siblings()
+    x = torch.randn(5, 24, requires_grad=True)
+    hs = _siblings.shared_h(x, [l for _, _, l in layers])
+    y = _siblings.lora_linear_given_h(x, *layers[0][:2], hs[0], layers[0][2])  # only the first used
+    dx, da0, da1 = torch.autograd.grad(y.sum(), [x, layers[0][2].A, layers[1][2].A], allow_unused=True)
+    ref = torch.autograd.grad(lora_linear(x, *layers[0]).sum(), [x, layers[0][2].A])
+    assert_close(dx, ref[0], torch.float32, "dx")
+    assert_close(da0, ref[1], torch.float32, "dA0")
+    assert da1 is None or da1.abs().max() == 0
+
+
+@pytest.mark.parametrize("op", ["shared_h", "shared_da", "given_h_fwd", "given_h_bwd"])
+def test_opcheck(op):
+    x, a, w, bias = torch.randn(7, 6), torch.randn(5, 6), torch.randn(4, 6), torch.randn(4)
+    h = torch.randn(7, 8)[:, 1:6]  # a sibling's column slice of the shared h: strided
+    b, dy = torch.randn(4, 5), torch.randn(7, 4)
+    args = {
+        "shared_h": (x, a, 4, "torch"),
+        "shared_da": (torch.randn(7, 5), x, 4, "torch"),
+        "given_h_fwd": (x, w, bias, h, b, 0.7, "torch"),
+        "given_h_bwd": (dy, x, w, a, b, h, 0.7, True, "torch"),
+    }[op]
+    torch.library.opcheck(getattr(torch.ops.fastaf, f"lora_{op}"), args)
+    if op == "given_h_bwd":
+        torch.library.opcheck(torch.ops.fastaf.lora_given_h_bwd, args[:7] + (False, "torch"))
+
+
+# ---- through functional_call: sharing on against off --------------------------------------------
+
+
+@pytest.fixture
+def count_shared(monkeypatch):
+    """Counts shared_h calls (one per group of siblings sharing an input) made by functional_call."""
+    calls = []
+    real = _call.shared_h
+    monkeypatch.setattr(_call, "shared_h", lambda x, loras, **kw: calls.append(len(loras)) or real(x, loras, **kw))
+    return calls
+
+
+def both(f, monkeypatch):
+    """f() with siblings sharing h, then with every layer alone."""
+    shared = f()
+    monkeypatch.setattr(_call, "SHARE_INPUT", False)
+    alone = f()
+    monkeypatch.setattr(_call, "SHARE_INPUT", True)
+    return shared, alone
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-bias"])
+def test_functional_call_grad_equal_with_and_without_sharing(make, impl, count_shared, monkeypatch):
+    base, ids = make(), token_batch()
+    ad = random_adapter(base, ALL_LINEAR)
+    loss = lambda a: fa.functional_call(base, a, (ids,), impl=impl).logits.pow(2).mean()  # noqa: E731
+    (g, v), (g0, v0) = both(lambda: torch.func.grad_and_value(loss)(ad), monkeypatch)
+    # per layer: q (with k, v, o as candidates), then gate (with up); k, v, up take their slices
+    assert count_shared == [4, 2] * base.config.num_hidden_layers
+    key = torch.float32 if impl == "torch" else "tf32"
+    assert_close(v, v0, key, "loss")
+    for a, b in zip(leaves(g), leaves(g0)):
+        assert_close(a, b, key, "grad")
+
+
+def test_cross_attention_keys_and_values_share_the_encoder_output(count_shared, monkeypatch):
+    """BART's decoder cross-attention: q reads the decoder, k and v the encoder output; so q's
+    group is started again at k, whose slice v then takes."""
+    base = tiny_bart()
+    ad = random_adapter(base, ["q_proj", "k_proj", "v_proj"])
+    ids = token_batch()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"decoder_input_ids": ids[:, :5]}).logits.pow(2).mean()  # noqa: E731
+    (g, v), (g0, v0) = both(lambda: torch.func.grad_and_value(loss)(ad), monkeypatch)
+    # encoder layers: q, k, v; decoder layers: self-attention q, k, v, then cross-attention q
+    # (its group of three) and k (k and v over the encoder output)
+    assert count_shared == [3, 3] + [3, 3, 2] * 2
+    assert_close(v, v0, torch.float32, "loss")
+    for a, b in zip(leaves(g), leaves(g0)):
+        assert_close(a, b, torch.float32, "grad")
+
+
+def test_autograd_double_backward_and_compile_with_sharing(count_shared, monkeypatch):
+    base, ids = tiny_llama(), token_batch()
+    ad = random_adapter(base, ALL_LINEAR)
+    ad = ad.map(lambda p, l: fa.LoRA(l.A.detach().requires_grad_(), l.B.detach().requires_grad_(), l.scale))
+    loss = lambda a: fa.functional_call(base, a, (ids,)).logits.pow(2).mean()  # noqa: E731
+
+    def second_order():
+        grads = torch.autograd.grad(loss(ad), leaves(ad), create_graph=True)
+        return torch.autograd.grad(sum(g.pow(2).sum() for g in grads), leaves(ad))
+
+    hvp, hvp0 = both(second_order, monkeypatch)
+    assert count_shared
+    for a, b in zip(hvp, hvp0):
+        assert_close(a, b, torch.float32, "grad of grad")
+
+    f = torch.func.grad_and_value(loss)
+    explained = torch._dynamo.explain(f)(ad)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    g, v = torch.compile(f, fullgraph=True, backend="aot_eager")(ad)
+    g0, v0 = f(ad)
+    assert rel_err(v, v0) < REL_TOL[torch.float32]
+    for a, b in zip(leaves(g), leaves(g0)):
+        assert_close(a, b, torch.float32, "compiled grad")
+
+
+def test_no_sharing_under_dropout_or_vmap(count_shared):
+    base, ids = tiny_llama(), token_batch()
+    ad = random_adapter(base, ALL_LINEAR, dropout=0.1)
+    base.train()
+    fa.functional_call(base, ad, (ids,))
+    assert count_shared == []  # a dropout mask per layer
+    base.eval()
+    fa.functional_call(base, ad, (ids,))
+    assert count_shared  # dropout is off in eval
+    count_shared.clear()
+    stack = fa.stack([random_adapter(base, ALL_LINEAR, seed=s) for s in range(2)])
+    out = torch.func.vmap(lambda a: fa.functional_call(base, a, (ids,)).logits)(stack)
+    assert count_shared == [] and out.shape[0] == 2  # vmap over a stack takes the grouped kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_gpu_bf16_llama_1b_attention_shapes(impl):
+    """q/k/v of the Llama-3.2-1B shape (K=2048; N 2048, 512, 512; r=16) at M=4096, bf16, kernels
+    against lora_linear per layer."""
+    torch.manual_seed(0)
+    layers = [(w.cuda().bfloat16(), None, fa.LoRA(l.A.detach().cuda().requires_grad_(),
+                                                   l.B.detach().cuda().requires_grad_(), l.scale))
+              for w, _, l in siblings(K=2048, ns=(2048, 512, 512), ranks=(16, 16, 16))]
+    x = torch.randn(2, 2048, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(2, 2048, w.shape[0], device="cuda", dtype=torch.bfloat16) for w, _, _ in layers]
+    loras = [l for _, _, l in layers]
+    hs = _siblings.shared_h(x, loras, impl=impl)
+    ys = [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, l), h in zip(layers, hs)]
+    ys0 = [lora_linear(x, w, b, l, impl="torch") for w, b, l in layers]
+    inputs = [x] + [t for l in loras for t in (l.A, l.B)]
+    grads = torch.autograd.grad(ys, inputs, dys)
+    grads0 = torch.autograd.grad(ys0, inputs, dys)
+    for y, y0 in zip(ys, ys0):
+        assert_close(y, y0, torch.bfloat16, "y")
+    for g, g0 in zip(grads, grads0):
+        assert_close(g, g0, torch.bfloat16, "grad")
