@@ -174,6 +174,39 @@ def _wall_ms(step, n: int = 5) -> dict:
     return {"ms": times[n // 2], "p20": times[n // 5], "p80": times[(4 * n) // 5]}
 
 
+def _profile(steps: dict) -> None:
+    """Per provider, over 3 steps: the top host-time Python functions (cProfile, by own time), and
+    on CUDA the device's busy time and top kernels (torch.profiler): whether an eager step is
+    host-bound, and where the host or the device spends its time."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for name, step in steps.items():
+        step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        prof.disable()
+        print(f"== {name}: host time of 3 steps", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+        if not cuda:
+            continue
+        with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        events = kprof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 3e3
+        print(f"== {name}: device busy {busy:.2f} ms per step; top kernels (3 steps)")
+        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+
+
 def _liger(model):
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -187,6 +220,10 @@ def main() -> None:
     ap.add_argument("--liger", action="store_true", help="patch Liger-Kernel in; run the -liger providers")
     ap.add_argument("--providers", default=None, help="default: all of this mode's")
     ap.add_argument("--name", default=None, help="result file name (default e2e, e2e-liger)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="build every provider first, then time them in ROUNDS interleaved rounds")
+    ap.add_argument("--profile", default="", metavar="PROVIDERS",
+                    help="after timing, profile these providers' host and device time over 3 steps")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args.tiny, device)
@@ -202,7 +239,7 @@ def main() -> None:
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
               "fastaf-init-liger": fastaf_init_step}
-    rows, base_loss = [], None
+    rows, base_loss, steps = [], None, {}
     for name in providers.split(","):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # each provider's own peak
@@ -213,14 +250,30 @@ def main() -> None:
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):
             raise SystemExit(f"{name}: first-step loss {first:.4f} != base {base_loss:.4f}")
-        t = H.time_fn(step, warmup=300, rep=2000) if device == "cuda" else _wall_ms(step)
+        if args.interleave:  # its peak is its first steps' (each holds its own state meanwhile)
+            step()
+            t = {}
+        else:
+            t = H.time_fn(step, warmup=300, rep=2000) if device == "cuda" else _wall_ms(step)
         mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
         rows.append({"bench": "e2e", "model": "llama-3.2-1b-shape" if not args.tiny else "tiny", "tokens": batch * seq,
                      "r": 16, "dtype": "bfloat16", "mode": "train_step", "provider": name, **t, "loss0": first,
                      "max_mem_gib": round(mem, 2)})
-        print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}", flush=True)
-        del step
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if t:
+            print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}",
+                  flush=True)
+        if args.interleave or name in args.profile.split(","):
+            steps[name] = step
+        else:
+            del step
+            torch.cuda.empty_cache() if device == "cuda" else None
+    if args.interleave:
+        timed = H.time_interleaved(steps, rounds=args.interleave, warmup=300, rep=2000 * args.interleave)
+        for r in rows:
+            r.update(timed[r["provider"]])
+            print(f"{r['provider']:12s} {r['ms']:8.2f} ms  rounds {r['rounds']}", flush=True)
+    if args.profile:
+        _profile({k: v for k, v in steps.items() if k in args.profile.split(",")})
     base = next((r["ms"] for r in rows if r["provider"] in ("base", "base-liger")), None)
     for r in rows:
         r["ratio_to_base"] = r["ms"] / base if base else None
