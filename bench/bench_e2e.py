@@ -19,9 +19,9 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - base-compiled: ``torch.compile(model)``, forward + backward as ``base``.
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
   JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
-- ``<fastaf provider>-alone`` (e.g. fastaf-func-compiled-alone): the same with every adapted layer
-  alone (``_call.SHARE_INPUT = False``), where q/k/v and gate/up otherwise take their h from one
-  pass over their shared input: the old path beside the new, in one process.
+- ``<fastaf provider>-alone`` / ``-shared``: the same with every adapted layer alone
+  (``_call.SHARE_INPUT = "never"``), or with q/k/v and gate/up taking their h from one pass over
+  their shared input also eagerly ("always"; by default only compiled): both paths in one process.
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
   the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger,
   fastaf-autograd-liger and fastaf-init-liger. Liger patches transformers' Llama module globally, so it runs in a
@@ -149,14 +149,14 @@ def fastaf_init_step(model, ids):
     return _autograd_step(lambda: m(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
-def _alone(step):
-    """``step`` with siblings' shared h off (read per call, also by a compiled step's guard)."""
+def _sharing(step, when: str):
+    """``step`` with ``_call.SHARE_INPUT = when`` (read per call, also by a compiled step's guard)."""
     def run():
-        _call.SHARE_INPUT = False
+        before, _call.SHARE_INPUT = _call.SHARE_INPUT, when
         try:
             return step()
         finally:
-            _call.SHARE_INPUT = True
+            _call.SHARE_INPUT = before
 
     return run
 
@@ -243,9 +243,9 @@ def main() -> None:
     for name in providers.split(","):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # each provider's own peak
-        alone = name.endswith("-alone") and name.startswith("fastaf")
-        step = makers[name.removesuffix("-alone") if alone else name](model, ids)
-        step = _alone(step) if alone else step
+        suffix = next((s for s in ("-alone", "-shared") if name.startswith("fastaf") and name.endswith(s)), "")
+        step = makers[name.removesuffix(suffix) if suffix else name](model, ids)
+        step = _sharing(step, {"-alone": "never", "-shared": "always"}[suffix]) if suffix else step
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):

@@ -19,7 +19,8 @@ does), so indexing, transposes and grouped matmuls of the experts all see the ad
 Calls that only read metadata (``size``, ``data_ptr``, ...) see the parameter itself.
 
 Linear layers under one parent with one in_features (q/k/v/o, gate/up) are candidate siblings:
-when the first of them runs, h for all of them comes from one pass over its input
+under torch.compile (``SHARE_INPUT``), when the first of them runs, h for all of them comes from
+one pass over its input
 (``_siblings.shared_h``), and a sibling that then runs on that very tensor takes its slice
 (``lora_linear_given_h``). One that runs on another tensor (o_proj, a cross-attention's k and v)
 starts again with the siblings that have not taken a slice yet. The mode holds one input at a time.
@@ -45,9 +46,13 @@ from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
 
-# Siblings take their h from one pass over their shared input; False: each layer alone (the
-# path before, for benchmarks that run both in one process).
-SHARE_INPUT = True
+# When siblings take their h from one pass over their shared input: "compiled" (under
+# torch.compile only), "always" or "never" (tests; benchmarks that run both paths in one process).
+# Eagerly the extra autograd node per group costs more host time than the pass saves device
+# time, and an eager LoRA step is host-bound: on the H100 (1B shape, e2e-shared-il-*.json) the
+# device time fell 1.5 ms per step while the eager autograd step went from 147.7 to 156.6 ms and
+# the torch.func one from 157.9 to 199.1 ms; compiled, the step went from 108.4 to 106.9 ms.
+SHARE_INPUT = "compiled"
 
 
 @dataclasses.dataclass
@@ -218,7 +223,7 @@ class _LoRAMode(TorchFunctionMode):
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                      impl=self.impl, where=route.path)
-        if route.siblings and SHARE_INPUT:
+        if route.siblings and (SHARE_INPUT == "always" or SHARE_INPUT == "compiled" and torch.compiler.is_compiling()):
             h = self._shared_h(route, x)
             if h is not None:
                 return lora_linear_given_h(x, weight, bias, h, route.lora, impl=self.impl, where=route.path)
