@@ -204,7 +204,7 @@ def _profile(steps: dict) -> None:
         events = kprof.key_averages()
         busy = sum(e.self_device_time_total for e in events) / 3e3
         print(f"== {name}: device busy {busy:.2f} ms per step; top kernels (3 steps)")
-        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+        print(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
 
 def _liger(model):
