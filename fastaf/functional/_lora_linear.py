@@ -445,7 +445,9 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
 
     Each skipped no-op (reshape, view, cast) is ~2-7 us of host time per call: at M=2048,
     K=N=4096 on the H200 the op was host-bound at 2.1x the base forward where a bare addmm
-    Function ran at 1.26x. A and B keep their own dtype (cast inside, gradients cast back).
+    Function ran at 1.26x. A and B keep their own dtype: the kernels read fp32 master factors as
+    they are (a cast launch per factor and call less), the reference casts them; gradients come
+    back in the factors' dtype.
     """
 
     @staticmethod
@@ -460,8 +462,9 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         try:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
             ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
-            a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             ctx.triton = _direct_ok(x2, weight, bias, a, b) and _use_triton(impl, x2)
+            if not ctx.triton:  # the kernels read fp32 master factors as they are; torch casts
+                a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton)
             if x.dim() != 2:
                 # not a view for autograd: models modify a layer's output in place (Falcon), which
@@ -495,6 +498,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
                 if double:
+                    a, b = _as_dtype(a, x2.dtype), _as_dtype(b, x2.dtype)  # saved as they came (kernels)
                     keep = _dropout_scale(x2[None], ctx.dropout_p, seed)
                     h = (x2 if keep is None else x2 * keep[0]) @ a.T
                     dx, da, db = (t[0] for t in reference_bwd(dy2[None], x2[None], weight[None], a[None], b[None],

@@ -54,11 +54,12 @@ from fastaf.kernels.lora_linear_plan import (_choose, _conf_key, _config, _dot_p
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+def _check(name: str, t: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype]) -> None:
+    """``dtype`` None: any of float16 / bfloat16 / float32 (the LoRA factors: fp32 masters are read as they are)."""
     if t.dtype not in _DTYPES:
         raise ValueError(f"lora_linear: {name} has unsupported dtype {t.dtype} (shape {tuple(t.shape)}); "
                          "expected float16, bfloat16 or float32")
-    if t.dtype != dtype:
+    if dtype is not None and t.dtype != dtype:
         raise ValueError(f"lora_linear: {name} {tuple(t.shape)} has dtype {t.dtype}, expected {dtype} like x")
     if t.shape != shape:
         raise ValueError(f"lora_linear: {name} has shape {tuple(t.shape)} ({t.dtype}), expected {shape}")
@@ -76,8 +77,8 @@ def _check_inputs(x, weight, bias, a, b, dropout_p, seed) -> tuple[int, int, int
                          f"{tuple(a.shape)}, {tuple(b.shape)}")
     N, R = weight.shape[0], a.shape[0]
     _check("weight", weight, (N, K), x.dtype)
-    _check("a", a, (R, K), x.dtype)
-    _check("b", b, (N, R), x.dtype)
+    _check("a", a, (R, K), None)
+    _check("b", b, (N, R), None)
     if bias is not None:
         _check("bias", bias, (N,), x.dtype)
     if R < 1:
@@ -281,7 +282,8 @@ def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         x: (M, K) input, float16 / bfloat16 / float32.
         weight: (N, K) frozen weight, any strides (a transposed or tied view is fine).
         bias: (N,) or None.
-        a: (R, K) LoRA down-projection.  b: (N, R) LoRA up-projection.
+        a: (R, K) LoRA down-projection.  b: (N, R) LoRA up-projection. Any of x's float dtypes:
+            the kernels cast them in registers (fp32 master factors cost no cast launch).
         scale: LoRA scale s.  dropout_p: LoRA dropout probability in [0, 1).
         seed: int64 tensor of shape (1,); may be None when dropout_p == 0.
         impl: "auto" (dispatch table), "triton" (fused kernels) or "addmm" (cuBLAS + addmm_).
@@ -302,6 +304,7 @@ def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optio
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "fwd", x, M, K, N, R) == "addmm":
+        a, b = a.to(x.dtype), b.to(x.dtype)  # cuBLAS takes one dtype
         h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.T  # (M, R)
         y = torch.nn.functional.linear(x, weight, bias)  # (M, N)
         y.addmm_(h, b.T, alpha=scale)
@@ -322,7 +325,8 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: 
         needs_dx: compute dx; when False the dx GEMM is skipped and None returned.
         impl: "auto", "triton" or "addmm".
     Returns:
-        dx (M, K) or None, da (R, K), db (N, R), in x's dtype.
+        dx (M, K) or None in x's dtype; da (R, K) in a's dtype; db (N, R) in b's dtype, or x's
+        where cuBLAS ran.
     """
     M, K, N, R = _check_inputs(x, weight, None, a, b, dropout_p, seed)
     _check("dy", dy, (M, N), x.dtype)
@@ -337,6 +341,7 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     """``lora_linear_bwd`` without its input checks, for callers that validated already."""
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
+        a, b = a.to(x.dtype), b.to(x.dtype)  # cuBLAS takes one dtype
         # addmm with beta=0 applies the scale in the GEMM's fp32 epilogue: one launch where
         # mm + mul_ took two (host time at launch-bound M) and one rounding instead of two.
         # With beta=0 torch ignores the added input (documented), so h and b stand in for it.

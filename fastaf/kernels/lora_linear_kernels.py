@@ -68,7 +68,8 @@ def _lora_linear_fwd_h_kernel(
         if HAS_DROPOUT:
             keep = dropout_keep(seed_ptr, offs_m[:, None] * K + offs_k[None, :], dropout_p)
             x = tl.where(keep, x, 0.0).to(x.dtype)
-        acc = tl.dot(x, at, acc, input_precision=DOT_PRECISION)
+        # a may be fp32 master weights beside 16-bit x: cast in registers, not as a launch per call
+        acc = tl.dot(x, at.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
     tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
@@ -207,7 +208,7 @@ def _lora_linear_bwd_dy_kernel(
             dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
                          mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, R_PAD)
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dy.dtype)  # (BLOCK_N, R_PAD)
         dh = tl.dot(dy, b, dh, input_precision=DOT_PRECISION)
         db = tl.dot(tl.trans(dy), h, input_precision=DOT_PRECISION)  # (BLOCK_N, R_PAD)
         db_ptrs = db_ptr + offs_n[:, None] * R + offs_r[None, :]

@@ -273,3 +273,24 @@ def test_gemm_smem_model_counts_the_out_tile_apart():
     buffers would pass configs that Triton then refuses."""
     conf = DEFAULTS["gemm"]
     assert smem_bytes("gemm", conf, 16, 2) == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 256 * 2 == 213016 - 24
+
+
+@pytest.mark.parametrize("impl", (["triton"] if CAN_TRITON else []) + ["addmm"])
+def test_fp32_master_factors_beside_16bit_x(impl):
+    """fp32 A and B with fp16 x: the kernels cast them in registers, cuBLAS after a cast; either
+    way the result is the one with the factors cast first, and da / db come back in fp32."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(37, 40, generator=g) * 0.5).to(device, dtype), torch.randn(24, 40, generator=g).to(device, dtype)
+    a, b = torch.randn(8, 40, generator=g).to(device), torch.randn(24, 8, generator=g).to(device)
+    dy = torch.randn(37, 24, generator=g).to(device, dtype)
+    y, h = ll.lora_linear_fwd(x, w, None, a, b, 0.5, 0.0, None, impl=impl)
+    y0, h0 = ll.lora_linear_fwd(x, w, None, a.to(dtype), b.to(dtype), 0.5, 0.0, None, impl=impl)
+    assert y.dtype == dtype and h.dtype == dtype
+    assert_close(y, y0, dtype, "y")
+    dx, da, db = ll.lora_linear_bwd(dy, x, w, a, b, h, 0.5, 0.0, None, True, impl=impl)
+    dx0, da0, db0 = ll.lora_linear_bwd(dy, x, w, a.to(dtype), b.to(dtype), h0, 0.5, 0.0, None, True, impl=impl)
+    assert dx.dtype == dtype and (impl == "addmm" or (da.dtype, db.dtype) == (torch.float32, torch.float32))
+    for name, t, t0 in (("dx", dx, dx0), ("da", da, da0), ("db", db, db0)):
+        assert_close(t.float(), t0.float(), dtype, name)
