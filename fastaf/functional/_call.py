@@ -86,6 +86,15 @@ _METADATA = {
 }
 
 
+# Tensor methods that write their tensor (x.mul_(2), x[i] = v): an input of siblings written in
+# place no longer matches their shared h. A set, not a name test: torch.compile traces the mode,
+# and a membership test is what it folds (reading func.__name__ broke the graph).
+_IN_PLACE = frozenset(
+    [getattr(_TensorBase, n) for n in dir(_TensorBase) if n.endswith("_") and not n.startswith("_")]
+    + [_TensorBase.__setitem__]
+)
+
+
 def _swaps(args: tuple, kwargs: dict) -> bool:
     """Whether ``transpose(t, dim0, dim1)`` of a 2-D t swaps its two dims (0/-2 with 1/-1)."""
     dims = list(args[1:3]) + [kwargs[k] for k in ("dim0", "dim1") if k in kwargs]
@@ -107,8 +116,9 @@ class _LoRAMode(TorchFunctionMode):
         # transposed views of routed weights made during the call: id -> (route, view); the view
         # is held so its id is not reused
         self.views: dict[int, tuple[_Route, Tensor]] = {}
-        # the latest input shared by siblings: (x, their h by path, the paths that took theirs)
-        self.shared: tuple[Tensor, dict[str, Tensor], set[str]] | None = None
+        # the latest input shared by siblings: (x, x's version then, their h by path, the paths
+        # that took theirs)
+        self.shared: tuple[Tensor, int, dict[str, Tensor], set[str]] | None = None
 
     def __enter__(self) -> _LoRAMode:
         # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
@@ -185,6 +195,8 @@ class _LoRAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.shared is not None and func in _IN_PLACE and args and args[0] is self.shared[0]:
+            self.shared = None  # the siblings' input changes: their h no longer holds
         if self.params and func not in _METADATA:
             swapped = self._substitute(args, kwargs)
             if swapped is not None:
@@ -234,11 +246,17 @@ class _LoRAMode(TorchFunctionMode):
     def _shared_h(self, route: _Route, x: Tensor) -> Tensor | None:
         """``route``'s h from one pass over ``x`` shared with its siblings, or None (alone)."""
         slot = self.shared
-        if slot is not None and slot[0] is x and route.path in slot[1]:
-            slot[2].add(route.path)
-            return slot[1][route.path]
-        # a new input: the siblings that have not run on the current one yet (all, for a new group)
-        ran = slot[2] if slot is not None and route.path in slot[1] else ()
+        # eagerly x's version counter catches in-place writes; traced, __torch_function__ does
+        version = 0 if torch.compiler.is_compiling() else x._version
+        # A slice is taken once: a layer that runs again (the next pass of a held mode, a module
+        # applied twice) starts a new group, as does an input changed in place since.
+        fresh = slot is not None and route.path in slot[2] and route.path not in slot[3]
+        if fresh and slot[0] is x and slot[1] == version:
+            slot[3].add(route.path)
+            return slot[2][route.path]
+        # another input: the siblings that have not run on the current one yet (o_proj alone; a
+        # cross-attention's k with v); a layer running again: all of them
+        ran = slot[3] if fresh else ()
         group = [route] + [r for r in route.siblings if r is not route and r.path not in ran]
         if len(group) < 2 or any(r.module.training and r.lora.dropout for r in group):
             return None  # dropout draws a mask per layer: no shared h
@@ -246,7 +264,7 @@ class _LoRAMode(TorchFunctionMode):
         if not shareable(x, loras):
             return None
         hs = shared_h(x, loras, impl=self.impl)
-        self.shared = (x, {r.path: h for r, h in zip(group, hs)}, {route.path})
+        self.shared = (x, version, {r.path: h for r, h in zip(group, hs)}, {route.path})
         return hs[0]
 
 

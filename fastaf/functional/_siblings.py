@@ -178,10 +178,10 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
     @staticmethod
     def backward(ctx, *dhs):
         (x2,) = ctx.saved_tensors
-        first = next((d for d in dhs if d is not None), None)
-        if first is None:
+        if all(d is None for d in dhs):
             return (None,) * (4 + len(dhs))
-        double = not ctx.level and _differentiated(first)
+        # differentiated when any sibling's dh carries history (another's may be a constant)
+        double = not ctx.level and any(d is not None and _differentiated(d) for d in dhs)
         with _below(ctx.level, *dhs) as dhs, (contextlib.nullcontext() if double else torch.no_grad()):
             dh = _cat_grads(dhs, ctx.ranks, x2)
             da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.impl)

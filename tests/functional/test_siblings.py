@@ -33,6 +33,8 @@ def siblings(K=24, ns=(16, 8, 8), ranks=(4, 2, 5), factor_dtype=torch.float32, s
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_h_and_given_h_equal_lora_linear_per_layer(impl, dtype):
+    if impl == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the CPU interpreter's bf16 tl.dot is wrong (triton 3.9); the GPU test covers bf16 kernels")
     layers = siblings(factor_dtype=torch.float32)  # fp32 master factors, also under bf16 x
     x = torch.randn(3, 7, 24).to(dtype).requires_grad_()
     dys = [torch.randn(3, 7, w.shape[0]).to(dtype) for w, _, _ in layers]
@@ -207,3 +209,72 @@ def test_gpu_bf16_llama_1b_attention_shapes(impl):
         assert_close(y, y0, torch.bfloat16, "y")
     for g, g0 in zip(grads, grads0):
         assert_close(g, g0, torch.bfloat16, "grad")
+
+
+class _TwoHeads(torch.nn.Module):
+    """q and k over one input; ``mutate`` doubles it in place between them."""
+
+    def __init__(self, mutate: bool = False):
+        super().__init__()
+        self.q, self.k, self.mutate = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), mutate
+
+    def forward(self, x):
+        q = self.q(x)
+        if self.mutate:
+            x = x.clone()  # the caller's x stays as it was
+            q = self.q(x)
+            x.mul_(2.0)
+        return q * self.k(x)
+
+
+def _two_heads(mutate=False):
+    torch.manual_seed(0)
+    m = _TwoHeads(mutate)
+    ad = fa.init_adapter(m, fa.LoRAConfig(r=2, alpha=4, targets=["q", "k"]), seed=0)
+    return m, ad.map(lambda p, l: fa.LoRA(torch.randn_like(l.A), torch.randn_like(l.B), l.scale)), torch.randn(3, 8)
+
+
+@pytest.mark.parametrize("share", ["always", "compiled"])
+def test_a_layer_running_again_or_an_input_changed_in_place_recomputes_h(share, monkeypatch):
+    """The slot of shared h never outlives its pass: a mode held over two passes (the factors
+    updated in between) and an input changed in place between siblings both recompute."""
+    m, ad, x = _two_heads()
+    monkeypatch.setattr(_call, "SHARE_INPUT", share)
+    run = torch.compile(m.forward, backend="aot_eager") if share == "compiled" else m.forward
+    with torch.no_grad(), fa.functional.adapter_mode(m, ad):
+        run(x)
+        for lora in ad.values():
+            lora.A.add_(1.0)
+        second = run(x)
+    monkeypatch.setattr(_call, "SHARE_INPUT", "never")
+    with torch.no_grad():
+        assert_close(second, fa.functional_call(m, ad, (x,)), torch.float32, "second pass")
+
+    m, ad, x = _two_heads(mutate=True)
+    with torch.no_grad():
+        ref = fa.functional_call(m, ad, (x,))
+        monkeypatch.setattr(_call, "SHARE_INPUT", share)
+        f = lambda x: fa.functional_call(m, ad, (x,))  # noqa: E731
+        out = torch.compile(f, backend="aot_eager")(x) if share == "compiled" else f(x)
+    assert_close(out, ref, torch.float32, "input changed in place")
+
+
+def test_double_backward_when_one_siblings_output_enters_the_loss_linearly():
+    """dy_q is a constant (y_q enters linearly) while dy_k carries history: k's dA must stay
+    differentiable although q's dh, first in the group, carries none. Against plain torch maths."""
+    (wq, bq, lq), (wk, bk, lk) = siblings(ns=(6, 6), ranks=(3, 2))
+    x = torch.randn(5, 24)
+
+    def second_order(shared):
+        if shared:
+            hq, hk = _siblings.shared_h(x, [lq, lk])
+            yq, yk = (_siblings.lora_linear_given_h(x, wq, bq, hq, lq),
+                      _siblings.lora_linear_given_h(x, wk, bk, hk, lk))
+        else:
+            yq, yk = ((torch.nn.functional.linear(x, w, b) + l.scale * (x @ l.A.T) @ l.B.T)
+                      for w, b, l in ((wq, bq, lq), (wk, bk, lk)))
+        grads = torch.autograd.grad(yq.sum() + yk.pow(2).sum(), [lk.A, lk.B], create_graph=True)
+        return torch.autograd.grad(sum(g.pow(2).sum() for g in grads), [lk.A, lk.B])
+
+    for a, b in zip(second_order(True), second_order(False)):
+        assert_close(a, b, torch.float32, "grad of grad")
