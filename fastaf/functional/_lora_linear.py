@@ -466,11 +466,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             if not ctx.triton:  # the kernels read fp32 master factors as they are; torch casts
                 a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton)
-            if x.dim() != 2:
-                # not a view for autograd: models modify a layer's output in place (Falcon), which
-                # autograd forbids on a view made inside a custom Function
-                shape = (*x.shape[:-1], weight.shape[0])
-                y = _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
+            y = _unflatten(y, x)
         finally:
             if saved_layer is not None:
                 _functorch.push_dynamic_layer_stack(saved_layer)
@@ -518,6 +514,16 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
 
 
 _unsafe_view = torch.ops.aten._unsafe_view.default
+
+
+def _unflatten(y: Tensor, x: Tensor) -> Tensor:
+    """A Function's (M, N) output y back to x's leading dims, (..., N). Not a view for autograd:
+    models modify a layer's output in place (Falcon), which autograd forbids on a view made
+    inside a custom Function."""
+    if x.dim() == 2:
+        return y
+    shape = (*x.shape[:-1], y.shape[-1])
+    return _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
 _direct_apply = _LoRALinearDirect.apply  # the C apply: no functorch dispatch, no argument binding
 _single_level_allowed = _functorch.get_single_level_autograd_function_allowed
 _allow_single_level = _functorch.set_single_level_autograd_function_allowed

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
-                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _unsafe_view,
+                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _unflatten,
                            _use_triton, _vjp_weight_bias)
 
 # ---- 1. reference ------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class _SharedHFn(torch.autograd.Function):
         else:
             op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
             with torch.no_grad():  # first order: a plain op call (see _LoRALinearFn.backward)
-                da = op(dh.contiguous(), x, ctx.n, ctx.impl)
+                da = op(dh, x, ctx.n, ctx.impl)  # dh: torch.cat's, contiguous
         return (None, None, None, *(d.to(t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes)))
 
 
@@ -231,10 +231,7 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             x2 = _flat(x)
             ctx.b_dtype = b.dtype
             a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
-            y = _given_h_fwd_impl(x2, weight, bias, h, b, scale, impl)
-            if x.dim() != 2:  # not an autograd view: models modify a layer's output in place (Falcon)
-                shape = (*x.shape[:-1], weight.shape[0])
-                y = _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
+            y = _unflatten(_given_h_fwd_impl(x2, weight, bias, h, b, scale, impl), x)
         ctx.save_for_backward(x2, weight, h, a, b)
         ctx.level, ctx.scale, ctx.impl = level, scale, impl
         ctx.set_materialize_grads(False)

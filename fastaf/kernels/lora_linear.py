@@ -303,15 +303,21 @@ def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optio
     host time per call, which counts where M=2048 calls are host-bound.
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
-    if _choose(impl, "fwd", x, M, K, N, R) == "addmm":
-        a, b = a.to(x.dtype), b.to(x.dtype)  # cuBLAS takes one dtype
-        h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.T  # (M, R)
-        y = torch.nn.functional.linear(x, weight, bias)  # (M, N)
-        y.addmm_(h, b.T, alpha=scale)
-        return y, h
-    h = fwd_h(x, a, dropout_p, seed)  # (M, R)
-    y = gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)  # (M, N)
-    return y, h
+    choice = _choose(impl, "fwd", x, M, K, N, R)
+    if choice == "addmm":
+        h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.to(x.dtype).T  # (M, R)
+    else:
+        h = fwd_h(x, a, dropout_p, seed)  # (M, R)
+    return _up(choice, x, weight, bias, h, b, scale), h
+
+
+def _up(choice: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
+        b: torch.Tensor, scale: float) -> torch.Tensor:
+    """y (M, N) = x @ weight.T + bias + scale * h @ b.T on the implementation ``choice`` names."""
+    if choice == "addmm":
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y.addmm_(h, b.to(x.dtype).T, alpha=scale)  # cuBLAS takes one dtype
+    return gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)
 
 
 def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -397,10 +403,7 @@ def given_h_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 b: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
     """y = x @ weight.T + bias + scale * h @ b.T, (M, N), with h (M, R) given (any strides)."""
     (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
-    if _choose(impl, "fwd", x, M, K, N, R) == "addmm":
-        y = torch.nn.functional.linear(x, weight, bias)
-        return y.addmm_(h, b.T, alpha=scale)
-    return gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)
+    return _up(_choose(impl, "fwd", x, M, K, N, R), x, weight, bias, h, b, scale)
 
 
 def given_h_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
