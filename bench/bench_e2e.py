@@ -22,10 +22,14 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - ``<fastaf provider>-alone`` / ``-shared``: the same with every adapted layer alone
   (``_call.SHARE_INPUT = "never"``), or with q/k/v and gate/up taking their h from one pass over
   their shared input also eagerly ("always"; by default only compiled): both paths in one process.
+- ``<fastaf provider>-perop``: eager ``torch.func`` with the model run at the grad level, each
+  adapted layer its own node (``_below_grad.ENABLED = False``; by default the call runs below the
+  level as plain autograd).
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
   the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger,
-  fastaf-autograd-liger and fastaf-init-liger. Liger patches transformers' Llama module globally, so it runs in a
-  process of its own.
+  fastaf-autograd-liger, fastaf-init-liger and fastaf-func-liger (Liger's old-style Functions
+  run under torch.func only below the grad level). Liger patches transformers' Llama module
+  globally, so it runs in a process of its own.
 The first step of every provider is checked: its loss equals the base model's (B starts at 0).
 Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
 """
@@ -43,12 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
-from fastaf.functional import _call  # noqa: E402
+from fastaf.functional import _below_grad, _call  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
              "fastaf-func", "fastaf-func-compiled"]
-LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger"]
+LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger", "fastaf-func-liger"]
+# provider suffix -> (module, flag, value) set around each step: both paths in one process
+SUFFIXES = {"-alone": (_call, "SHARE_INPUT", "never"), "-shared": (_call, "SHARE_INPUT", "always"),
+            "-perop": (_below_grad, "ENABLED", False)}
 
 
 def make_model(tiny: bool, device: str):
@@ -149,14 +156,15 @@ def fastaf_init_step(model, ids):
     return _autograd_step(lambda: m(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
-def _sharing(step, when: str):
-    """``step`` with ``_call.SHARE_INPUT = when`` (read per call, also by a compiled step's guard)."""
+def _flagged(step, module, flag: str, value):
+    """``step`` with ``module.flag = value`` (read per call, also by a compiled step's guard)."""
     def run():
-        before, _call.SHARE_INPUT = _call.SHARE_INPUT, when
+        before = getattr(module, flag)
+        setattr(module, flag, value)
         try:
             return step()
         finally:
-            _call.SHARE_INPUT = before
+            setattr(module, flag, before)
 
     return run
 
@@ -238,14 +246,14 @@ def main() -> None:
               "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
-              "fastaf-init-liger": fastaf_init_step}
+              "fastaf-init-liger": fastaf_init_step, "fastaf-func-liger": fastaf_func_step}
     rows, base_loss, steps = [], None, {}
     for name in providers.split(","):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # each provider's own peak
-        suffix = next((s for s in ("-alone", "-shared") if name.startswith("fastaf") and name.endswith(s)), "")
+        suffix = next((s for s in SUFFIXES if name.startswith("fastaf") and name.endswith(s)), "")
         step = makers[name.removesuffix(suffix) if suffix else name](model, ids)
-        step = _sharing(step, {"-alone": "never", "-shared": "always"}[suffix]) if suffix else step
+        step = _flagged(step, *SUFFIXES[suffix]) if suffix else step
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):

@@ -2,11 +2,13 @@
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards the frozen base; the adapter is replicated
 on every rank and passed to ``fastaf.functional_call`` as usual: the call reads each weight when
-its module runs, so it meets FSDP2's unsharded weight. Differentiate with autograd there
-(``torch.autograd.grad`` on the adapter's leaves): FSDP2's own hooks do not run under
-``torch.func`` on CUDA (its all-gather copies into captured tensors and its post-backward hook
-is an old-style ``autograd.Function``; torch 2.11), which ``functional_call`` reports. Without
-sharding (data parallel), ``torch.func.grad`` works. DDP's wrapper does not serve here (it
+its module runs, so it meets FSDP2's unsharded weight. Differentiate with autograd
+(``torch.autograd.grad`` on the adapter's leaves) or one eager ``torch.func.grad`` level, under
+which ``functional_call`` runs the model below the level as plain autograd. FSDP2's own hooks do
+not run *at* a functorch level on CUDA (its all-gather copies into captured tensors and its
+post-backward hook is an old-style ``autograd.Function``; torch 2.11), so a second transform
+(``vmap(grad)``, grad of grad) or ``torch.compile`` over a sharded model is refused by
+``functional_call``. Without sharding (data parallel), every transform works. DDP's wrapper does not serve here (it
 cannot run ``torch.autograd.grad``, and the adapter is not in the model), so the adapter's
 gradients are averaged explicitly with ``all_reduce_grads``::
 

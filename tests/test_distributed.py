@@ -1,6 +1,7 @@
-"""Two processes on gloo: FSDP2 (autograd) and data-parallel (torch.func) steps with the adapter
-outside the model match a single process training on the global batch; torch.func over FSDP2
-modules is a clear error; only rank 0 writes files, every rank reads them.
+"""Two processes on gloo: FSDP2 (autograd and eager torch.func) and data-parallel (torch.func)
+steps with the adapter outside the model match a single process training on the global batch;
+torch.func over FSDP2 modules on the per-op path is a clear error; only rank 0 writes files,
+every rank reads them.
 
 One spawn runs every case (each process start imports torch and transformers: seconds on CI).
 """
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 import fastaf as fa
+from fastaf.functional import _below_grad
 from tests._models import random_adapter, tiny_llama, token_batch
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -74,10 +76,15 @@ def _worker(rank: int, port: int, folder: str) -> None:
         fully_shard(layer)
     fully_shard(sharded)
     results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
-    try:  # FSDP2's hooks are not functorch-compatible on CUDA: refused before anything runs
+    # one eager grad level: the sharded model runs below it, under plain autograd
+    results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
+    _below_grad.ENABLED = False
+    try:  # per op, FSDP2's hooks are not functorch-compatible on CUDA: refused before anything runs
         _func_grad(sharded, adapter, local[0])
     except NotImplementedError as err:
         results["fsdp2-func-error"] = str(err)
+    finally:
+        _below_grad.ENABLED = True
     # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
     fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
@@ -107,7 +114,7 @@ def test_fsdp2_and_data_parallel_match_one_process(tmp_path):
     start = random_adapter(tiny_llama(), TARGETS, seed=10)
     _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
     reference = _train(tiny_llama(), start, _batches(), _func_grad)  # one process, global batch
-    for case in ("ddp-func", "fsdp2-autograd"):
+    for case in ("ddp-func", "fsdp2-autograd", "fsdp2-func"):
         for r in range(WORLD):
             _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
     for r in range(WORLD):

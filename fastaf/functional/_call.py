@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
+from ._below_grad import call_below, grad_level
 from ._lora_linear import lora_linear
 from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
@@ -552,6 +553,11 @@ def functional_call(
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = kwargs or {}
+    inputs = (adapter, args, kwargs, params, adapter_ids)
+    level = grad_level(model, inputs)
+    if level:  # one eager torch.func.grad level: the model runs below it, as plain autograd
+        call = lambda i: functional_call(model, i[0], i[1], i[2], params=i[3], adapter_ids=i[4], impl=impl)  # noqa: E731
+        return call_below(level, call, inputs)
     if params:
         run = lambda: torch.func.functional_call(model, dict(params), args, kwargs)  # noqa: E731
     else:
@@ -589,8 +595,8 @@ def scoped_call(
         raise NotImplementedError(
             f"fastaf.functional_call: {type(model).__name__} holds FSDP2 (fully_shard) modules, whose hooks "
             "do not run under torch.func transforms on CUDA (an all-gather copying into captured tensors, "
-            "an old-style autograd.Function; torch 2.11): differentiate with autograd instead, "
-            "torch.autograd.grad(loss, adapter leaves)"
+            "an old-style autograd.Function; torch 2.11): differentiate with one eager torch.func.grad "
+            "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
         )
     if compiling:
         with mode:  # tracers see the mode alone (no hooks to register inside a graph)
