@@ -12,6 +12,7 @@ import transformers
 import fastaf as fa
 from fastaf.functional import _below_grad
 from tests._models import VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
+from tests._tolerances import REL_TOL, rel_err
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -229,10 +230,10 @@ def test_gpu_bf16_kernels_below_the_level_equal_the_per_op_path(per_op):
     loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}, impl="triton").loss  # noqa: E731
     g, v = torch.func.grad_and_value(loss)(ad)
     g0, v0 = per_op(lambda: torch.func.grad_and_value(loss)(ad))
-    torch.testing.assert_close(v, v0)
-    for x, y in zip(pytree.tree_leaves(g), pytree.tree_leaves(g0)):
-        if isinstance(x, torch.Tensor):
-            torch.testing.assert_close(x, y, rtol=2e-2, atol=1e-4)
+    assert abs(v.item() - v0.item()) < 1e-2 * abs(v0.item())
+    for path in ad:  # bf16 activations: the kernels' split reductions need not agree bit for bit
+        assert rel_err(g[path].A, g0[path].A) < REL_TOL[torch.bfloat16], path
+        assert rel_err(g[path].B, g0[path].B) < REL_TOL[torch.bfloat16], path
 
 
 @pytest.mark.gpu
