@@ -321,6 +321,20 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
     return stack[-1].level()
 
 
+_layer_depth = getattr(_functorch, "get_dynamic_layer_stack_depth", lambda: 0)
+
+
+def _nested_traced() -> bool:
+    """Two or more functorch transforms (``vmap(grad)``, grad of grad) inside ``torch.compile``.
+
+    Dynamo turns an ``autograd.Function`` into a template that cannot be vmapped (pytorch#129845),
+    with or without a vmap rule, so there the op runs as its torch reference, which every
+    transform and Inductor handle. Dynamo folds this depth query while tracing (the interpreter
+    stack queries are skipped functions to it).
+    """
+    return torch.compiler.is_compiling() and _layer_depth() >= 2
+
+
 def _differentiated(dy: Tensor) -> bool:
     """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
     is active (one level's backward runs with create_graph, which alone needs no higher order);
@@ -657,5 +671,5 @@ def lora_linear(
         seed,
         impl,
     )
-    y, _ = _LoRALinearFn.apply(*args)
+    y, _ = reference_fwd(*args[:-1]) if _nested_traced() else _LoRALinearFn.apply(*args)
     return y.reshape(*lead, weight.shape[0])

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
-                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _unflatten,
+                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _nested_traced, _unflatten,
                            _use_triton, _vjp_weight_bias)
 
 # ---- 1. reference ------------------------------------------------------------------------------
@@ -271,7 +271,9 @@ def shareable(x: object, loras: Sequence[LoRA]) -> bool:
         return False
     if any(l.stacked or l.experts or l.in_features != x.shape[-1] for l in loras):
         return False
-    return torch.compiler.is_compiling() or _direct_level(x, *(l.A for l in loras)) >= 0
+    if torch.compiler.is_compiling():
+        return not _nested_traced()  # vmap(grad) traced: each layer is lora_linear's reference
+    return _direct_level(x, *(l.A for l in loras)) >= 0
 
 
 def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[Tensor, ...]:

@@ -143,6 +143,27 @@ def test_compile_fullgraph_has_no_graph_breaks():
     assert rel_err(compiled(ad, ids), f(ad, ids)) < RTOL
 
 
+def test_compiled_vmap_of_grad_and_grad_of_grad_equal_eager_without_graph_breaks():
+    """Under two transforms in torch.compile each layer is the op's torch reference (pytorch#129845
+    blocks an autograd.Function there); siblings q/k/v do not share h."""
+    base = tiny_llama()
+    ads = [random_adapter(base, ["q_proj", "k_proj", "v_proj", "down_proj"], seed=s) for s in range(3)]
+    ids = token_batch()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    per_adapter = torch.func.vmap(torch.func.grad_and_value(loss))
+    explained = torch._dynamo.explain(per_adapter)(fa.stack(ads))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    got, want = torch.compile(per_adapter, fullgraph=True, backend="aot_eager")(fa.stack(ads)), per_adapter(fa.stack(ads))
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        if isinstance(g, torch.Tensor):
+            assert rel_err(g, w) < RTOL
+    q = "model.layers.0.self_attn.q_proj"
+    second = lambda a: torch.func.grad(lambda b: torch.func.grad(loss)(b)[q].A.square().sum())(a)  # noqa: E731
+    got, want = torch.compile(second, fullgraph=True, backend="aot_eager")(ads[0]), second(ads[0])
+    for path in want:
+        assert rel_err(got[path].A, want[path].A) < RTOL and rel_err(got[path].B, want[path].B) < RTOL, path
+
+
 def test_model_untouched_after_a_call_that_raises():
     base = tiny_llama()
     ad = random_adapter(base, ["q_proj"])
