@@ -321,7 +321,12 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
     return stack[-1].level()
 
 
-_layer_depth = getattr(_functorch, "get_dynamic_layer_stack_depth", lambda: 0)
+@torch.compiler.assume_constant_result
+def _layer_depth() -> int:
+    """How many functorch transforms are active. Dynamo runs it once while tracing and keeps the
+    result as a constant: torch 2.13 folds the raw query itself, torch 2.11 refuses to trace it
+    (a skipped function), and the transforms of a traced function are fixed by its code."""
+    return _functorch.get_dynamic_layer_stack_depth()
 
 
 def _nested_traced() -> bool:
@@ -329,8 +334,8 @@ def _nested_traced() -> bool:
 
     Dynamo turns an ``autograd.Function`` into a template that cannot be vmapped (pytorch#129845),
     with or without a vmap rule, so there the op runs as its torch reference, which every
-    transform and Inductor handle. Dynamo folds this depth query while tracing (the interpreter
-    stack queries are skipped functions to it).
+    transform and Inductor handle. The depth is read as a trace-time constant (the interpreter
+    stack queries are skipped functions to dynamo).
     """
     return torch.compiler.is_compiling() and _layer_depth() >= 2
 
