@@ -17,6 +17,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - fastaf-init: the stateful layer (``fa.init`` + ``add_new_adapter``), ``loss.backward()`` and
   ``torch.optim.AdamW`` (what HF Trainer does).
 - base-compiled: ``torch.compile(model)``, forward + backward as ``base``.
+- fastaf-autograd-compiled: ``torch.compile(fullgraph=True)`` of the functional call's forward,
+  ``loss.backward()`` (AOTAutograd's backward graph), AdamW as ``fastaf-autograd``.
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
   JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
 - ``<fastaf provider>-alone`` / ``-shared``: the same with every adapted layer alone
@@ -148,6 +150,17 @@ def fastaf_autograd_step(model, ids):
     return _autograd_step(loss_fn, leaves, ids.is_cuda)
 
 
+def fastaf_autograd_compiled_step(model, ids):
+    """``torch.compile`` of the functional call's forward (fullgraph), backward by AOTAutograd."""
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+    leaves, spec = pytree.tree_flatten(adapter)
+    leaves = [t.requires_grad_() for t in leaves]
+    batch = {"input_ids": ids, "labels": ids}
+    fwd = torch.compile(lambda ls: fa.functional_call(model, pytree.tree_unflatten(ls, spec), (), batch).loss,
+                        fullgraph=True)
+    return _autograd_step(lambda: fwd(leaves), leaves, ids.is_cuda)
+
+
 def fastaf_init_step(model, ids):
     m = fa.init(copy.deepcopy(model))
     m.add_new_adapter("a", fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
@@ -211,8 +224,36 @@ def _profile(steps: dict) -> None:
             torch.cuda.synchronize()
         events = kprof.key_averages()
         busy = sum(e.self_device_time_total for e in events) / 3e3
-        print(f"== {name}: device busy {busy:.2f} ms per step; top kernels (3 steps)")
+        print(f"== {name}: device busy {busy:.2f} ms per step; by kind (ms per step, launches per step)")
+        for kind, (ms, n) in _by_kind(events).items():
+            print(f"   {kind:28s} {ms:8.2f} ms  {n:6.0f}")
+        print(f"== {name}: top kernels (3 steps)")
         print(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+
+
+# Kernel name -> kind, first match wins: where a step's device time goes, provider beside provider.
+_KINDS = [("fastaf GEMM (fused LoRA)", ("_lora_linear_gemm", "_multi_gemm")),
+          ("fastaf skinny passes", ("_lora_", "_multi_")),
+          ("cuBLAS GEMM", ("nvjet", "gemm", "sm90_xmma", "cutlass", "cublas")),
+          ("attention", ("sdpa", "flash", "fmha", "attention")),
+          ("optimizer", ("adam", "multi_tensor")),
+          ("softmax / cross-entropy", ("softmax", "nll", "cross_entropy", "logsumexp")),
+          ("copies / casts", ("copy", "clone", "cat", "fill", "memset", "memcpy")),
+          ("inductor triton", ("triton_",)),
+          ("aten elementwise / reduce", ("elementwise", "reduce", "at::native"))]
+
+
+def _by_kind(events) -> dict:
+    """{kind: (device ms per step, launches per step)} over a profile of 3 steps."""
+    kinds: dict = {}
+    for e in events:
+        if e.self_device_time_total <= 0:
+            continue
+        low = e.key.lower()
+        kind = next((k for k, marks in _KINDS if any(m in low for m in marks)), "other")
+        ms, n = kinds.get(kind, (0.0, 0))
+        kinds[kind] = (ms + e.self_device_time_total / 3e3, n + e.count / 3)
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1][0]))
 
 
 def _liger(model):
@@ -244,6 +285,7 @@ def main() -> None:
               "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
               "fastaf-func-compiled": lambda m, i: fastaf_func_step(m, i, compiled=True),
               "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
+              "fastaf-autograd-compiled": fastaf_autograd_compiled_step,
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
               "fastaf-init-liger": fastaf_init_step, "fastaf-func-liger": fastaf_func_step}
