@@ -17,6 +17,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - fastaf-init: the stateful layer (``fa.init`` + ``add_new_adapter``), ``loss.backward()`` and
   ``torch.optim.AdamW`` (what HF Trainer does).
 - base-compiled: ``torch.compile(model)``, forward + backward as ``base``.
+- base-func / base-func-compiled: the frozen model's ``torch.func.grad_and_value`` over its input
+  embeddings, eager / under ``torch.compile(fullgraph=True)``: the transform's own cost.
 - fastaf-autograd-compiled: ``torch.compile(fullgraph=True)`` of the functional call's forward,
   ``loss.backward()`` (AOTAutograd's backward graph), AdamW as ``fastaf-autograd``.
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
@@ -53,7 +55,7 @@ from fastaf.functional import _below_grad, _call  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
-             "fastaf-func", "fastaf-func-compiled"]
+             "fastaf-func", "fastaf-func-compiled", "fastaf-autograd-compiled"]
 LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger", "fastaf-func-liger"]
 # provider suffix -> (module, flag, value) set around each step: both paths in one process
 SUFFIXES = {"-alone": (_call, "SHARE_INPUT", "never"), "-shared": (_call, "SHARE_INPUT", "always"),
@@ -129,10 +131,12 @@ def fastaf_func_step(model, ids, compiled: bool = False):
     return step
 
 
-def base_func_step(model, ids):
-    """The frozen model differentiated by torch.func.grad instead of autograd: functorch's own cost."""
+def base_func_step(model, ids, compiled: bool = False):
+    """The frozen model differentiated by torch.func.grad instead of autograd: functorch's own cost
+    (compiled: what ``torch.compile`` of a ``grad_and_value`` costs without any adapter)."""
     emb = model.get_input_embeddings()(ids).detach()
     grad_fn = torch.func.grad_and_value(lambda e: model(inputs_embeds=e, labels=ids).loss)
+    grad_fn = torch.compile(grad_fn, fullgraph=True) if compiled else grad_fn
 
     def step():
         return grad_fn(emb)[1]
@@ -284,7 +288,7 @@ def main() -> None:
               "peft": lambda m, i: peft_step(m, i, bf16=False),
               "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
               "fastaf-func-compiled": lambda m, i: fastaf_func_step(m, i, compiled=True),
-              "base-func": base_func_step, "fastaf-autograd": fastaf_autograd_step,
+              "base-func": base_func_step, "base-func-compiled": lambda m, i: base_func_step(m, i, compiled=True), "fastaf-autograd": fastaf_autograd_step,
               "fastaf-autograd-compiled": fastaf_autograd_compiled_step,
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
