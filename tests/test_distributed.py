@@ -1,5 +1,6 @@
-"""Two processes on gloo: FSDP2 (autograd and eager torch.func) and data-parallel (torch.func)
-steps with the adapter outside the model match a single process training on the global batch;
+"""Two processes on gloo: FSDP2 (autograd and eager torch.func, with eager or compiled blocks) and
+data-parallel (torch.func) steps with the adapter outside the model match a single process
+training on the global batch; a traced call over FSDP2 modules is a clear error;
 torch.func over FSDP2 modules on the per-op path is a clear error; only rank 0 writes files,
 every rank reads them.
 
@@ -58,12 +59,25 @@ def _autograd_grad(model, adapter, ids):
     return pytree.tree_unflatten(list(grads), spec)
 
 
+def _sharded(compiled: bool = False) -> torch.nn.Module:
+    """tiny_llama with each block and the whole model under FSDP2; ``compiled``: each block then
+    compiled, as FSDP2 recipes do."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+    return model
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
-    from torch.distributed.fsdp import fully_shard
-
     results = {}
     local = [ids[rank::WORLD] for ids in _batches()]
     # every rank starts from rank 0's adapter, whatever its own seed
@@ -71,10 +85,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     results["start"] = adapter
     reduce = fa.distributed.all_reduce_grads
     results["ddp-func"] = _train(tiny_llama(), adapter, local, _func_grad, reduce)
-    sharded = tiny_llama()
-    for layer in sharded.model.layers:
-        fully_shard(layer)
-    fully_shard(sharded)
+    sharded = _sharded()
     results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
     # one eager grad level: the sharded model runs below it, under plain autograd
     results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
@@ -85,6 +96,17 @@ def _worker(rank: int, port: int, folder: str) -> None:
         results["fsdp2-func-error"] = str(err)
     finally:
         _below_grad.ENABLED = True
+    # compiled as FSDP2 recipes compile: each block after fully_shard, the call itself eager
+    # (aot_eager: Inductor's CPU codegen adds a minute on CI's 2 cores)
+    results["fsdp2-compiled-autograd"] = _train(_sharded(compiled=True), adapter, local, _autograd_grad, reduce)
+    # torch.func's backward keeps the graph (a vjp_fn may run twice): AOTAutograd's donated buffers
+    # refuse that, so blocks differentiated by torch.func are compiled without them
+    with torch._functorch.config.patch(donated_buffer=False):
+        results["fsdp2-compiled-func"] = _train(_sharded(compiled=True), adapter, local, _func_grad, reduce)
+    try:  # traced whole, FSDP2's unsharding is out of sight: refused
+        torch.compile(_loss, backend="aot_eager", fullgraph=True)(sharded, adapter, local[0])
+    except Exception as err:
+        results["fsdp2-traced-error"] = f"{type(err).__name__}: {err}"
     # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
     fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
@@ -114,11 +136,13 @@ def test_fsdp2_and_data_parallel_match_one_process(tmp_path):
     start = random_adapter(tiny_llama(), TARGETS, seed=10)
     _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
     reference = _train(tiny_llama(), start, _batches(), _func_grad)  # one process, global batch
-    for case in ("ddp-func", "fsdp2-autograd", "fsdp2-func"):
+    for case in ("ddp-func", "fsdp2-autograd", "fsdp2-func", "fsdp2-compiled-autograd", "fsdp2-compiled-func"):
         for r in range(WORLD):
             _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
     for r in range(WORLD):
         assert "FSDP2" in ranks[r]["fsdp2-func-error"] and "autograd" in ranks[r]["fsdp2-func-error"]
+        assert "model.layers.0.self_attn.q_proj" in ranks[r]["fsdp2-traced-error"]
+        assert "compile each block" in ranks[r]["fsdp2-traced-error"]
         _assert_close(ranks[r]["read"], ranks[0]["fsdp2-autograd"], f"rank {r} read rank 0's file")  # rank 0 wrote
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("results")) == [
         "adapter_config.json", "adapter_model.safetensors"]

@@ -375,7 +375,8 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
             # unsharded weight later, which that mode would miss without a word
             raise NotImplementedError(
                 f"{path}: its weight is a sharded DTensor (FSDP2); torch.compile over "
-                "fastaf.functional_call does not follow FSDP2's unsharding yet: call it eagerly"
+                "fastaf.functional_call does not follow FSDP2's unsharding (its hooks are not traced): "
+                "compile each block after fully_shard (layer.compile()) and call functional_call eagerly"
             )
         if check:
             _check_fits(path, lora, module, weight, spec, stacked)
