@@ -144,25 +144,16 @@ def base_func_step(model, ids, compiled: bool = False):
     return step
 
 
-def fastaf_autograd_step(model, ids):
-    """The functional call differentiated by plain autograd on the adapter's leaves."""
+def fastaf_autograd_step(model, ids, compiled: bool = False):
+    """The functional call differentiated by plain autograd on the adapter's leaves (compiled: the
+    loss under ``torch.compile(fullgraph=True)``, its backward AOTAutograd's graph)."""
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     leaves, spec = pytree.tree_flatten(adapter)
     leaves = [t.requires_grad_() for t in leaves]
     batch = {"input_ids": ids, "labels": ids}
-    loss_fn = lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss  # noqa: E731
-    return _autograd_step(loss_fn, leaves, ids.is_cuda)
-
-
-def fastaf_autograd_compiled_step(model, ids):
-    """``torch.compile`` of the functional call's forward (fullgraph), backward by AOTAutograd."""
-    adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
-    leaves, spec = pytree.tree_flatten(adapter)
-    leaves = [t.requires_grad_() for t in leaves]
-    batch = {"input_ids": ids, "labels": ids}
-    fwd = torch.compile(lambda ls: fa.functional_call(model, pytree.tree_unflatten(ls, spec), (), batch).loss,
-                        fullgraph=True)
-    return _autograd_step(lambda: fwd(leaves), leaves, ids.is_cuda)
+    loss = lambda ls: fa.functional_call(model, pytree.tree_unflatten(ls, spec), (), batch).loss  # noqa: E731
+    loss = torch.compile(loss, fullgraph=True) if compiled else loss
+    return _autograd_step(lambda: loss(leaves), leaves, ids.is_cuda)
 
 
 def fastaf_init_step(model, ids):
@@ -288,8 +279,9 @@ def main() -> None:
               "peft": lambda m, i: peft_step(m, i, bf16=False),
               "peft-bf16": lambda m, i: peft_step(m, i, bf16=True), "fastaf-func": fastaf_func_step,
               "fastaf-func-compiled": lambda m, i: fastaf_func_step(m, i, compiled=True),
-              "base-func": base_func_step, "base-func-compiled": lambda m, i: base_func_step(m, i, compiled=True), "fastaf-autograd": fastaf_autograd_step,
-              "fastaf-autograd-compiled": fastaf_autograd_compiled_step,
+              "base-func": base_func_step, "base-func-compiled": lambda m, i: base_func_step(m, i, compiled=True),
+              "fastaf-autograd": fastaf_autograd_step,
+              "fastaf-autograd-compiled": lambda m, i: fastaf_autograd_step(m, i, compiled=True),
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
               "fastaf-init-liger": fastaf_init_step, "fastaf-func-liger": fastaf_func_step}

@@ -1,8 +1,7 @@
 """Two processes on gloo: FSDP2 (autograd and eager torch.func, with eager or compiled blocks) and
 data-parallel (torch.func) steps with the adapter outside the model match a single process
-training on the global batch; a traced call over FSDP2 modules is a clear error;
-torch.func over FSDP2 modules on the per-op path is a clear error; only rank 0 writes files,
-every rank reads them.
+training on the global batch; a call traced whole over FSDP2 modules, and torch.func over them on
+the per-op path, are clear errors; only rank 0 writes files, every rank reads them.
 
 One spawn runs every case (each process start imports torch and transformers: seconds on CI).
 """
