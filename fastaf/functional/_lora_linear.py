@@ -20,6 +20,10 @@ Inside the ops every tensor carries a leading *group* axis, so one op call serve
     seed (Gs,) int64 | None            each G* is 1 (broadcast) or G
     -> y (G, M, N), h = dropout(x) @ A.T (G, M, R)
 
+A and B come in their own float dtype (fp32 master factors beside bf16 x): the kernels read them
+as they are, the references cast them, and dA, dB come back in it, so a compiled step neither
+launches casts for them nor rounds their gradients to x's dtype.
+
 h is an op output so the backward reuses it instead of recomputing x @ A.T. Dropout masks come
 from a counter-based hash of (seed, m * K + k) (``fastaf.kernels.dropout_hash``), so the backward
 recomputes the mask and the Triton kernels match this reference bit for bit.
@@ -59,9 +63,16 @@ def _t(t: Tensor) -> Tensor:
     return t.transpose(-1, -2)
 
 
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed):
-    """Torch reference of the forward op; shapes as in the module docstring."""
+    """Torch reference of the forward op; shapes as in the module docstring. a and b may be in
+    another float dtype than x (fp32 master factors): they are cast to x's, as the kernels do in
+    registers."""
     G = _group_size(x, weight, bias, a, b, seed)
+    a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
     mask = _dropout_scale(x, dropout_p, seed)
     xd = x if mask is None else x * mask
     h = xd @ _t(a)  # (G, M, R)
@@ -74,9 +85,12 @@ def reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed):
 
 
 def reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx):
-    """Torch reference of the backward op: (dx (G, M, K) or empty, dA (G, R, K), dB (G, N, R))."""
+    """Torch reference of the backward op: (dx (G, M, K) or empty, dA (G, R, K) in a's dtype,
+    dB (G, N, R) in b's dtype)."""
     G, M, N = dy.shape
     K, R = x.shape[2], a.shape[1]
+    a_dtype, b_dtype = a.dtype, b.dtype
+    a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
     mask = _dropout_scale(x, dropout_p, seed)
     dh = scale * (dy @ b)  # (G, M, R)
     db = scale * (_t(dy) @ h)  # (G, N, R)
@@ -88,7 +102,7 @@ def reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx):
         dx = dx.expand(G, M, K).contiguous()
     else:
         dx = dy.new_empty(G, 0, 0)
-    return dx, da.expand(G, R, K).contiguous(), db.expand(G, N, R).contiguous()
+    return dx, _as_dtype(da.expand(G, R, K).contiguous(), a_dtype), _as_dtype(db.expand(G, N, R).contiguous(), b_dtype)
 
 
 # ---- 2. torch.library ops -------------------------------------------------------------------
@@ -166,6 +180,7 @@ def _fwd_impl(
     if layout is not None:
         G, M, K = a.shape[0], x.shape[1], x.shape[2]
         bias0 = None if bias is None else bias[0]
+        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # the grouped kernels take one dtype
         if layout == "segments":
             ids = torch.arange(G, device=x.device)
             y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], bias0, a, b, ids, scale)
@@ -205,11 +220,14 @@ def _bwd_impl(
             scale, dropout_p, seed, needs_dx, impl=impl,
         )
         dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
-        return dx, da[None], db[None]
+        # where cuBLAS ran, the factors' gradients come in x's dtype: the op's are the factors'
+        return dx, _as_dtype(da, a.dtype)[None], _as_dtype(db, b.dtype)[None]
     layout = _grouped_layout(x, weight, None, a, b, dropout_p) if _use_triton(impl, x) else None
     if layout is not None:
         G, M, K, N = a.shape[0], x.shape[1], x.shape[2], dy.shape[2]
         dy2, h2 = dy.reshape(G * M, N), h.reshape(G * M, -1).contiguous()
+        a_dtype, b_dtype = a.dtype, b.dtype
+        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # the grouped kernels take one dtype
         if layout == "segments":
             ids = torch.arange(G, device=x.device)
             dx, da, db = _multi_kernels().multi_bwd(dy2, x.reshape(G * M, K), weight[0], a, b, h2, ids, scale,
@@ -217,7 +235,7 @@ def _bwd_impl(
         else:
             dx, da, db = _multi_kernels().shared_bwd(dy2, x[0], weight[0], a, b, h2, scale, needs_dx)
         dx = dy.new_empty(G, 0, 0) if dx is None else dx.view(G, M, K)
-        return dx, da, db
+        return dx, _as_dtype(da, a_dtype), _as_dtype(db, b_dtype)
     return reference_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx)
 
 
@@ -391,7 +409,7 @@ class _LoRALinearFn(torch.autograd.Function):
         if _differentiated(dy):
             # grad of grad: the reference's ops, differentiable, with h recomputed from x
             dropout_scale = _dropout_scale(x, ctx.dropout_p, seed)
-            h = (x if dropout_scale is None else x * dropout_scale) @ _t(a)
+            h = (x if dropout_scale is None else x * dropout_scale) @ _t(_as_dtype(a, x.dtype))
             dx, da, db = reference_bwd(dy, x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0])
         else:
             # First order: torch.func.grad runs backward with create_graph=True, and the op's
@@ -418,10 +436,6 @@ class _LoRALinearFn(torch.autograd.Function):
         )
         out = _LoRALinearFn.apply(x, weight, bias, a, b, scale, dropout_p, seed, impl)
         return _unfold(info.batch_size, out)
-
-
-def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -665,12 +679,15 @@ def lora_linear(
     if level >= 0:
         return _apply_direct(level, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     lead, K = x.shape[:-1], x.shape[-1]
+    # The factors go in as they are (fp32 masters under bf16 x): the kernels read them in their
+    # own dtype and return their gradients in it, the references cast; a cast here was two
+    # launches per layer forward and two more backward in a compiled step.
     args = (
         x.reshape(1, -1, K),
         weight[None],
         None if bias is None else bias[None],
-        lora.A.to(x.dtype)[None],
-        lora.B.to(x.dtype)[None],
+        lora.A[None],
+        lora.B[None],
         float(lora.scale),
         p,
         seed,

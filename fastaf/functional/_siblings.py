@@ -41,17 +41,19 @@ from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast
 
 def reference_given_h_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, b: Tensor,
                           scale: float) -> Tensor:
-    """y (M, N) = x @ weight.T + bias + scale * h @ b.T; x (M, K), h (M, R), b (N, R)."""
-    return F.linear(x, weight, bias) + scale * (h @ b.T)
+    """y (M, N) = x @ weight.T + bias + scale * h @ b.T; x (M, K), h (M, R), b (N, R) in any float dtype."""
+    return F.linear(x, weight, bias) + scale * (h @ _as_dtype(b, x.dtype).T)
 
 
 def reference_given_h_bwd(dy: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: Tensor, scale: float,
                           needs_dx: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx (M, K) or (0, 0), dh (M, R), dB (N, R)) of one sibling; dA is ``shared_h``'s."""
+    """(dx (M, K) or (0, 0), dh (M, R), dB (N, R) in b's dtype) of one sibling; dA is ``shared_h``'s."""
+    b_dtype = b.dtype
+    a, b = _as_dtype(a, dy.dtype), _as_dtype(b, dy.dtype)
     dh = scale * (dy @ b)
     db = scale * (dy.T @ h)
     dx = dy @ weight + dh @ a if needs_dx else dy.new_empty(0, 0)
-    return dx, dh, db
+    return dx, dh, _as_dtype(db, b_dtype)
 
 
 def _da_dtype(x: Tensor) -> torch.dtype:
@@ -62,11 +64,11 @@ def _da_dtype(x: Tensor) -> torch.dtype:
 
 
 def _shared_h_impl(x: Tensor, a: Tensor, n: int, impl: str) -> Tensor:
-    """h (M, R) = x @ a.T in x's dtype; x (M, K), a (R, K) the siblings' A stacked on rank.
-    ``n``: the first sibling's N, for the dispatch choice."""
+    """h (M, R) = x @ a.T in x's dtype; x (M, K), a (R, K) the siblings' A stacked on rank, in any
+    float dtype. ``n``: the first sibling's N, for the dispatch choice."""
     if _use_triton(impl, x):
         return _kernels().shared_h(x, a, n, impl)
-    return x @ a.T
+    return x @ _as_dtype(a, x.dtype).T
 
 
 def _shared_da_impl(dh: Tensor, x: Tensor, n: int, impl: str) -> Tensor:
@@ -88,7 +90,7 @@ def _given_h_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tenso
     """(dx (M, K) or (0, 0), dh (M, R) in h's dtype, dB (N, R) in b's dtype)."""
     if _use_triton(impl, x):
         dx, dh, db = _kernels().given_h_bwd(dy, x, weight, a, b, h, scale, needs_dx, impl)
-        return (dy.new_empty(0, 0) if dx is None else dx), _as_dtype(dh, h.dtype), db
+        return (dy.new_empty(0, 0) if dx is None else dx), _as_dtype(dh, h.dtype), _as_dtype(db, b.dtype)
     return reference_given_h_bwd(dy, weight, a, b, h, scale, needs_dx)
 
 
@@ -135,15 +137,15 @@ class _SharedHFn(torch.autograd.Function):
     """``shared_h``'s VJP for tracers (``torch.compile``) and grad of grad: dA for every sibling, no dx."""
 
     @staticmethod
-    def forward(x, n, impl, *a):  # x (M, K), each a (r_i, K) in x's dtype
-        op = _shared_h_impl if _direct_ok(x, *a) else torch.ops.fastaf.lora_shared_h
-        return tuple(op(x, torch.cat(a), n, impl).split([t.shape[0] for t in a], dim=1))
+    def forward(x, a, ranks, n, impl):  # x (M, K); a (R, K) the A factors stacked, any float dtype
+        op = _shared_h_impl if _direct_ok(x, a) else torch.ops.fastaf.lora_shared_h
+        return tuple(op(x, a, n, impl).split(ranks, dim=1))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, n, impl, *a = inputs
+        x, a, ranks, n, impl = inputs
         ctx.save_for_backward(x)
-        ctx.n, ctx.impl, ctx.ranks, ctx.dtypes = n, impl, [t.shape[0] for t in a], [t.dtype for t in a]
+        ctx.n, ctx.impl, ctx.ranks, ctx.a_dtype = n, impl, ranks, a.dtype
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -156,7 +158,7 @@ class _SharedHFn(torch.autograd.Function):
             op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
             with torch.no_grad():  # first order: a plain op call (see _LoRALinearFn.backward)
                 da = op(dh, x, ctx.n, ctx.impl)  # dh: torch.cat's, contiguous
-        return (None, None, None, *(d.to(t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes)))
+        return None, _as_dtype(da, ctx.a_dtype), None, None, None
 
 
 class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
@@ -168,7 +170,7 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         with _below(level, x, *a) as (x, *a):
             x2 = _flat(x)
             ctx.dtypes, ctx.ranks = [t.dtype for t in a], [t.shape[0] for t in a]
-            h = _shared_h_impl(x2, torch.cat([_as_dtype(t, x.dtype) for t in a]), n, impl)
+            h = _shared_h_impl(x2, torch.cat(a), n, impl)
             hs = h.split(ctx.ranks, dim=1)
         ctx.save_for_backward(x2)
         ctx.level, ctx.n, ctx.impl = level, n, impl
@@ -193,7 +195,7 @@ class _GivenHFn(torch.autograd.Function):
     """``lora_linear_given_h``'s VJP for tracers and grad of grad: dx, dh, dB; dA is ``shared_h``'s."""
 
     @staticmethod
-    def forward(x, weight, bias, h, a, b, scale, impl):  # x (M, K), a / b in x's dtype
+    def forward(x, weight, bias, h, a, b, scale, impl):  # x (M, K), a / b in any float dtype
         op = _given_h_fwd_impl if _direct_ok(x, weight, bias, h, b) else torch.ops.fastaf.lora_given_h_fwd
         return op(x, weight, bias, h, b, scale, impl)
 
@@ -230,7 +232,6 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
         with _below(level, x, weight, bias, h, a, b) as (x, weight, bias, h, a, b):
             x2 = _flat(x)
             ctx.b_dtype = b.dtype
-            a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
             y = _unflatten(_given_h_fwd_impl(x2, weight, bias, h, b, scale, impl), x)
         ctx.save_for_backward(x2, weight, h, a, b)
         ctx.level, ctx.scale, ctx.impl = level, scale, impl
@@ -288,7 +289,9 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
     level = _direct_level(x, *factors)
     if level >= 0:
         return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
-    return _SharedHFn.apply(_flat(x), n, impl, *(l.A.to(x.dtype) for l in loras))
+    # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
+    # stack sits outside the Function, which dynamo traces with a fixed signature.
+    return _SharedHFn.apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
 
 
 def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, lora: LoRA, *,
@@ -304,5 +307,5 @@ def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Te
     level = _direct_level(x, weight, bias, h, lora.A, lora.B)
     if level >= 0:
         return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
-    y = _GivenHFn.apply(_flat(x), weight, bias, h, lora.A.to(x.dtype), lora.B.to(x.dtype), scale, impl)
+    y = _GivenHFn.apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
     return y.reshape(*x.shape[:-1], weight.shape[0])

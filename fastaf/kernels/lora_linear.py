@@ -107,13 +107,17 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
     has_dropout = dropout_p > 0
 
     def build():
-        conf, tma, meta = _skinny_conf("fwd_h", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
-        return ((triton.cdiv(M, conf["BLOCK_M"]),), tma,
+        conf, tma, meta, a_fits = _skinny_conf("fwd_h", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok,
+                                               factor=a.dtype)
+        tma = tma and (a_fits or K * _elt(dtype) % 16 == 0)  # a cast to x's dtype: rows still 16-byte aligned
+        return ((triton.cdiv(M, conf["BLOCK_M"]),), tma, a_fits,
                 *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R),
                        DOT_PRECISION=_dot_precision(dtype), **meta))
 
-    memo = ("fwd_h", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config))
-    grid, tma, meta, meta_key = _plan(memo, build)
+    memo = ("fwd_h", dev.index, M, K, R, dtype, a.dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config))
+    grid, tma, a_fits, meta, meta_key = _plan(memo, build)
+    if not a_fits:  # an fp32 a's tiles fit no config at this rank: read it in x's dtype
+        a = a.to(dtype)
     h = torch.empty((M, R), device=dev, dtype=dtype)
     if tma and x.is_cuda:
         _ensure_allocator()
@@ -172,24 +176,25 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     return y
 
 
-def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict]) -> tuple:
-    """(grid, partials P or 0, SPLIT_N, use TMA, (bwd_db meta, key), meta, meta_key) of a bwd_dy launch."""
+def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict], b_dtype: torch.dtype) -> tuple:
+    """(grid, partials P or 0, SPLIT_N, use TMA, whether b is read in ``b_dtype`` (else in dy's),
+    (bwd_db meta, key), meta, meta_key) of a bwd_dy launch."""
     M, N = dy.shape
     dev, dtype = dy.device, dy.dtype
     tma_ok = _rows_tma_ready(dy)
 
     def build():
-        conf, tma, meta = _skinny_conf("bwd_dy", dev, _key(M=M, N=N, R=R, dtype=dtype), config, tma_ok,
-                                       ("USE_TMA", "DB_PARTIAL"))
+        conf, tma, meta, b_fits = _skinny_conf("bwd_dy", dev, _key(M=M, N=N, R=R, dtype=dtype), config, tma_ok,
+                                               ("USE_TMA", "DB_PARTIAL"), factor=b_dtype)
         partial = bool(conf.get("DB_PARTIAL", 0))
         grid = (triton.cdiv(M, conf["BLOCK_M"]), conf["SPLIT_N"])
         db_conf = INTERPRET["bwd_db"] if dev.type != "cuda" else DEFAULTS["bwd_db"]
         db_meta = _meta(**db_conf)
-        return (grid, grid[0] if partial else 0, conf["SPLIT_N"], tma, db_meta,
+        return (grid, grid[0] if partial else 0, conf["SPLIT_N"], tma, b_fits, db_meta,
                 *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
-    return _plan(("bwd_dy", dev.index, M, N, R, dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
+    return _plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
 
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
@@ -197,12 +202,16 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
-    backward zero dh and da with one memset).
+    backward zero dh and da with one memset). db is a tensor of its own: the ops return it beside
+    da, and a custom op's outputs may not share storage.
     """
     M, N = dy.shape
     R = b.shape[1]
     dev = dy.device
-    grid, partials, split, tma, (db_meta, db_meta_key), meta, meta_key = _bwd_dy_plan(dy, R, config)
+    grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = _bwd_dy_plan(dy, R, config, b.dtype)
+    b_dtype = b.dtype  # db comes back in it
+    if not b_fits:  # an fp32 b's tiles fit no config at this rank: read it in dy's dtype
+        b = b.to(dy.dtype)
     if dh is None:
         dh = (torch.empty if split == 1 else torch.zeros)((M, R), device=dev, dtype=torch.float32)
     if partials:
@@ -218,8 +227,8 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
         float(scale),
     ), meta, meta_key)
     if not partials:
-        return dh, db_buf.to(b.dtype)
-    db = torch.empty((N, R), device=dev, dtype=b.dtype)
+        return dh, db_buf.to(b_dtype)
+    db = torch.empty((N, R), device=dev, dtype=b_dtype)
     _SITES["bwd_db"]((triton.cdiv(N * R, db_meta["BLOCK"]),), (db_buf, db, N * R, partials, float(scale)),
                      db_meta, db_meta_key)
     return dh, db
@@ -232,7 +241,7 @@ def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[di
     tma_ok = _rows_tma_ready(x)
 
     def build():
-        conf, tma, meta = _skinny_conf("bwd_da", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
+        conf, tma, meta, _ = _skinny_conf("bwd_da", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
         return ((triton.cdiv(K, conf["BLOCK_K"]), conf["SPLIT_M"]), conf["SPLIT_M"], tma,
                 *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
@@ -364,7 +373,7 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
                 dx.addmm_(dh, a)
         return dx, da, db
     # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both
-    split_n = _bwd_dy_plan(dy, R, None)[2]
+    split_n = _bwd_dy_plan(dy, R, None, b.dtype)[2]
     split_m = _bwd_da_plan(x, R, dropout_p > 0, None)[1]
     work = (torch.zeros if split_n > 1 or split_m > 1 else torch.empty)(
         M * R + R * K, device=x.device, dtype=torch.float32)
@@ -387,7 +396,7 @@ def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, impl: str) -> torch.Tenso
     """h = x @ a.T, (M, R) in x's dtype. x (M, K), a (R, K) the siblings' A stacked."""
     (M, K), R = x.shape, a.shape[0]
     if _choose(impl, "fwd", x, M, K, n, R) == "addmm":
-        return x @ a.T
+        return x @ a.to(x.dtype).T  # cuBLAS takes one dtype
     return fwd_h(x, a, 0.0, None)
 
 
@@ -415,6 +424,7 @@ def given_h_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torc
     """
     (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
+        a, b = a.to(dy.dtype), b.to(dy.dtype)  # cuBLAS takes one dtype
         dh = torch.addmm(h, dy, b, beta=0, alpha=scale)  # (M, R); beta=0: h only lends its shape
         db = torch.addmm(b, dy.T, h, beta=0, alpha=scale)  # (N, R)
         dx = torch.mm(dy, weight).addmm_(dh, a) if needs_dx else None

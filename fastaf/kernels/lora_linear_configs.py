@@ -10,14 +10,18 @@ from __future__ import annotations
 MAX_RANK = 256  # R_PAD > 256 leaves no registers for the (BLOCK_M, R_PAD) accumulators
 
 
-def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
+def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int, factor_elt: int = 0) -> int:
     """Shared memory a config of ``phase`` needs at padded rank ``r_pad``: the pipelined tiles.
 
+    ``elt``: bytes per element of the activations (x, dy); ``factor_elt``: of the LoRA factor
+    tile the kernel pipelines beside them (fwd_h's a, bwd_dy's b), when it differs (fp32 masters).
     The skinny kernels' tiles grow with R_PAD, so a config tuned at r=16 can overflow at r=64:
     fwd_h 64x256 with 4 stages takes 4 * (64*256 + 64*256) * 2 = 262144 bytes at R_PAD=64 (H100
-    limit 232448), which a nearest-shape cache lookup once handed to an r=64 launch.
+    limit 232448), which a nearest-shape cache lookup once handed to an r=64 launch; fp32 factors
+    (a's tile twice as wide) overflowed the same way at r=48.
     """
     st = conf["num_stages"]
+    felt = factor_elt or elt
     if phase in ("gemm", "gemm_plain"):
         # triton 3.6 keeps the out tile apart from the pipeline buffers: the default 128x256x64
         # 3-stage config took 213016 bytes on the H100, 3 * 49152 + 65536 (+ 24). gemm_plain
@@ -25,25 +29,39 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int) -> int:
         bm, bn, bk = conf["BLOCK_M"], conf["BLOCK_N"], conf["BLOCK_K"]
         return (st * (bm * bk + bk * bn) + bm * bn) * elt
     if phase == "fwd_h":
-        return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_K"] * elt
+        return st * (conf["BLOCK_M"] * elt + r_pad * felt) * conf["BLOCK_K"]
     if phase == "bwd_dy":
-        return st * (conf["BLOCK_M"] + r_pad) * conf["BLOCK_N"] * elt + conf["BLOCK_M"] * r_pad * elt
+        # as Triton 3.6 allocated it on the H100, whatever num_stages: the dy tile with an fp32
+        # copy, an fp32 (BLOCK_M, R_PAD) tile and b's tile. 256x64 took 245760 bytes at
+        # R_PAD=128 with 2 stages and with 3, 393216 at R_PAD=256 (262144 and 425984 with fp32 b),
+        # where a per-stage count passed r=128 to launches that failed. Only BLOCK_M shrinks it.
+        bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
+        return bm * bn * (elt + 4) + bm * r_pad * 4 + r_pad * bn * felt
     if phase == "bwd_da":
         return st * (conf["BLOCK_M"] * conf["BLOCK_K"] * elt + r_pad * conf["BLOCK_M"] * 4)  # dh tile is fp32
     return 0
 
 
-def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None:
+def fit(phase: str, conf: dict, r_pad: int, elt: int, limit: int, factor_elt: int = 0) -> dict | None:
     """``conf`` with ``num_stages`` lowered (not below 2) until ``smem_bytes`` fits ``limit``.
 
     None when even 2 stages do not fit.
     """
     conf = dict(conf)
-    while smem_bytes(phase, conf, r_pad, elt) > limit:
+    while smem_bytes(phase, conf, r_pad, elt, factor_elt) > limit:
         if conf["num_stages"] <= 2:
             return None
         conf["num_stages"] -= 1
     return conf
+
+
+def fit_smaller(phase: str, conf: dict, r_pad: int, elt: int, limit: int) -> dict | None:
+    """``fit`` with BLOCK_M halved (not below 16) until two stages fit: the last resort where the
+    default itself overflows, as bwd_dy's 256-row tile does at R_PAD=256."""
+    conf = dict(conf)
+    while (fitted := fit(phase, conf, r_pad, elt, limit)) is None and conf.get("BLOCK_M", 16) > 16:
+        conf["BLOCK_M"] //= 2
+    return fitted
 
 
 _FLAGS = ("USE_TMA", "DB_PARTIAL")  # 0/1 switches

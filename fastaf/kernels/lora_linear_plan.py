@@ -9,7 +9,6 @@ lookup. ``clear_memos`` forgets all of them after the tuning cache changed.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Optional
 
@@ -18,7 +17,7 @@ import torch
 from fastaf.kernels import _cache, _dispatch
 from fastaf.kernels._device import _device_info, _hopper, _smem_limit, available
 from fastaf.kernels.lora_linear_configs import (DEFAULTS, DEFAULTS_FP32, INTERPRET, MAX_RANK, _INTERPRET_PROGRAMS,
-                                                config_problem, fit)
+                                                config_problem, fit, fit_smaller)
 
 
 def _r_pad(r: int) -> int:
@@ -89,9 +88,9 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
                           f"{key}: {problem}; using the default", stacklevel=2)
             conf, entry = dict(phase_default), None
         if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
-            fits = functools.partial(fit, phase, r_pad=_r_pad(key.get("R", 1)), limit=_smem_limit(device),
-                                     elt=4 if key.get("dtype") == "float32" else 2)
-            conf = fits(conf) or fits(phase_default) or phase_default
+            sizes = dict(r_pad=_r_pad(key.get("R", 1)), elt=_elt(key.get("dtype")), limit=_smem_limit(device))
+            conf = (fit(phase, conf, **sizes) or fit(phase, phase_default, **sizes)
+                    or fit_smaller(phase, phase_default, **sizes) or phase_default)
         _config_memo[memo_key] = conf
     return conf
 
@@ -148,13 +147,26 @@ def _tf32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
 
 
-def _elt(dtype: torch.dtype) -> int:
-    return 4 if dtype == torch.float32 else 2
+def _elt(dtype: torch.dtype | str | None) -> int:
+    """Bytes per element of a kernel operand: a dtype, or a cache key's dtype name."""
+    return 4 if dtype in (torch.float32, "float32") else 2
 
 
 def _skinny_conf(phase: str, dev: torch.device, key: dict, config: Optional[dict], tma_ok: bool,
-                 flags: tuple[str, ...] = ("USE_TMA",)) -> tuple[dict, bool, dict]:
-    """(config, whether its USE_TMA applies here, config less the launcher-decided ``flags``)."""
+                 flags: tuple[str, ...] = ("USE_TMA",), factor: Optional[torch.dtype] = None
+                 ) -> tuple[dict, bool, dict, bool]:
+    """(config, whether its USE_TMA applies here, config less the launcher-decided ``flags``,
+    whether the kernel may read the LoRA factor in its own dtype ``factor``).
+
+    The tuning cache and the defaults fit shared memory with the factor tile as wide as x's
+    (``key``'s dtype); an fp32 master factor beside 16-bit x doubles that tile, so the config's
+    stages are lowered to fit it, and where even two stages overflow the factor must come in x's
+    dtype (False: the launcher casts it, one small launch).
+    """
     conf = _config(phase, dev, key, config)
+    factor_fits = True
+    if factor is not None and _elt(factor) > _elt(key["dtype"]) and config is None and dev.type == "cuda":
+        fitted = fit(phase, conf, _r_pad(key["R"]), _elt(key["dtype"]), _smem_limit(dev), _elt(factor))
+        conf, factor_fits = (fitted, True) if fitted is not None else (conf, False)
     tma = bool(conf.get("USE_TMA", 0)) and tma_ok and _hopper(dev)
-    return conf, tma, {k: v for k, v in conf.items() if k not in flags}
+    return conf, tma, {k: v for k, v in conf.items() if k not in flags}, factor_fits
