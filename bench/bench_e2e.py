@@ -210,7 +210,10 @@ def _profile(steps: dict) -> None:
             torch.cuda.synchronize()
         prof.disable()
         print(f"== {name}: host time of 3 steps", flush=True)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        stats.print_stats(30)
+        # who calls the hot built-ins (casts, fills, allocations): where a step's launches come from
+        stats.print_callers(r"method 'to' of|built-in method torch.zeros|built-in method torch.empty")
         if not cuda:
             continue
         with profile(activities=[ProfilerActivity.CUDA]) as kprof:
@@ -227,14 +230,16 @@ def _profile(steps: dict) -> None:
 
 
 # Kernel name -> kind, first match wins: where a step's device time goes, provider beside provider.
-_KINDS = [("fastaf GEMM (fused LoRA)", ("_lora_linear_gemm", "_multi_gemm")),
+# Inductor first: it names a fused kernel after the ops it fused, fastaf's included
+# ("triton_poi_fused_..._lora_given_h_bwd_..." is Inductor's code around fastaf's op, not fastaf's).
+_KINDS = [("inductor triton", ("triton_",)),
+          ("fastaf GEMM (fused LoRA)", ("_lora_linear_gemm", "_multi_gemm")),
           ("fastaf skinny passes", ("_lora_", "_multi_")),
           ("cuBLAS GEMM", ("nvjet", "gemm", "sm90_xmma", "cutlass", "cublas")),
           ("attention", ("sdpa", "flash", "fmha", "attention")),
           ("optimizer", ("adam", "multi_tensor")),
           ("softmax / cross-entropy", ("softmax", "nll", "cross_entropy", "logsumexp")),
           ("copies / casts", ("copy", "clone", "cat", "fill", "memset", "memcpy")),
-          ("inductor triton", ("triton_",)),
           ("aten elementwise / reduce", ("elementwise", "reduce", "at::native"))]
 
 
