@@ -31,12 +31,13 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int, factor_elt: int = 0
     if phase == "fwd_h":
         return st * (conf["BLOCK_M"] * elt + r_pad * felt) * conf["BLOCK_K"]
     if phase == "bwd_dy":
-        # as Triton 3.6 allocated it on the H100, whatever num_stages: the dy tile with an fp32
-        # copy, an fp32 (BLOCK_M, R_PAD) tile and b's tile. 256x64 took 245760 bytes at
-        # R_PAD=128 with 2 stages and with 3, 393216 at R_PAD=256 (262144 and 425984 with fp32 b),
-        # where a per-stage count passed r=128 to launches that failed. Only BLOCK_M shrinks it.
+        # An upper bound of what Triton 3.6 allocated on the H100 for 36 configs (r_pad 64-256,
+        # bf16 and fp32 b; bench/results/smem-probe-*.txt), exact at some, at most 1.8x over:
+        # num_stages - 1 buffers of the dy and b tiles, the fp32 (BLOCK_M, R_PAD) accumulator,
+        # the db tile for the atomics. Counting b per stage with no accumulator passed r=128 to
+        # launches that failed (245760 bytes).
         bm, bn = conf["BLOCK_M"], conf["BLOCK_N"]
-        return bm * bn * (elt + 4) + bm * r_pad * 4 + r_pad * bn * felt
+        return (st - 1) * (bm * bn * elt + bn * r_pad * felt) + bm * r_pad * 4 + bn * r_pad * 6
     if phase == "bwd_da":
         return st * (conf["BLOCK_M"] * conf["BLOCK_K"] * elt + r_pad * conf["BLOCK_M"] * 4)  # dh tile is fp32
     return 0

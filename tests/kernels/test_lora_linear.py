@@ -286,30 +286,50 @@ def test_smem_model_counts_fp32_factor_tiles():
     assert fit("fwd_h", conf, 64, 2, 232448, 4)["num_stages"] == 2
     assert fit("fwd_h", conf, 256, 2, 232448, 4) is None
     dy_conf = dict(BLOCK_M=256, BLOCK_N=64, num_stages=3)
-    # the figures Triton reported on the H100 for bwd_dy's default at R_PAD=128 and 256
-    assert smem_bytes("bwd_dy", dy_conf, 128, 2) == 245760
-    assert smem_bytes("bwd_dy", dy_conf, 256, 2) == 393216
-    assert smem_bytes("bwd_dy", dy_conf, 256, 2, 4) == 425984
-    assert smem_bytes("bwd_dy", dy_conf, 128, 2, 4) == 262144
+    assert smem_bytes("bwd_dy", dy_conf, 64, 2, 4) > smem_bytes("bwd_dy", dy_conf, 64, 2)
     assert smem_bytes("bwd_dy", dy_conf, 16, 2) == smem_bytes("bwd_dy", dy_conf, 16, 2, 2)
+
+
+# bwd_dy's shared memory as Triton 3.6 allocated it on the H100 (bench/results/smem-probe-*.txt):
+# (BLOCK_M, BLOCK_N, num_stages, R_PAD, bytes per b element, bytes), bf16 dy, SPLIT_N=4
+_BWD_DY_SMEM_H100 = [
+    (256, 64, 2, 64, 2, 131072), (256, 64, 3, 64, 2, 172032), (128, 64, 2, 64, 2, 81920),
+    (128, 64, 3, 64, 2, 106496), (64, 64, 2, 64, 2, 57344), (128, 32, 2, 64, 2, 36864),
+    (256, 64, 2, 64, 4, 131072), (256, 64, 3, 64, 4, 180224), (128, 64, 2, 64, 4, 81920),
+    (128, 64, 3, 64, 4, 114688), (64, 64, 2, 64, 4, 57344), (128, 32, 2, 64, 4, 36864),
+    (256, 64, 2, 128, 2, 196608), (256, 64, 3, 128, 2, 245760), (128, 64, 2, 128, 2, 131072),
+    (128, 64, 3, 128, 2, 163840), (64, 64, 2, 128, 2, 98304), (128, 32, 2, 128, 2, 65536),
+    (256, 64, 2, 128, 4, 196608), (256, 64, 3, 128, 4, 262144), (128, 64, 2, 128, 4, 131072),
+    (128, 64, 3, 128, 4, 180224), (64, 64, 2, 128, 4, 98304), (128, 32, 2, 128, 4, 65536),
+    (256, 64, 2, 256, 2, 327680), (256, 64, 3, 256, 2, 393216), (128, 64, 2, 256, 2, 229376),
+    (128, 64, 3, 256, 2, 278528), (64, 64, 2, 256, 2, 180224), (128, 32, 2, 256, 2, 122880),
+    (256, 64, 2, 256, 4, 327680), (256, 64, 3, 256, 4, 425984), (128, 64, 2, 256, 4, 229376),
+    (128, 64, 3, 256, 4, 311296), (64, 64, 2, 256, 4, 180224), (128, 32, 2, 256, 4, 122880),
+]
+
+
+def test_bwd_dy_smem_model_bounds_what_triton_allocated():
+    """The model never under-counts a measured config (an under-count is a launch that fails:
+    r=128 did, at 245760 bytes), and over-counts by at most 1.8x (configs it would wrongly drop)."""
+    for bm, bn, st, r_pad, felt, allocated in _BWD_DY_SMEM_H100:
+        model = smem_bytes("bwd_dy", dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st), r_pad, 2, felt)
+        assert allocated <= model <= 1.8 * allocated, (bm, bn, st, r_pad, felt, allocated, model)
 
 
 def test_default_configs_fit_at_the_largest_rank():
     """At R_PAD=256 bwd_dy's default 256-row tile overflows the H100's shared memory even at two
-    stages by the model's count; the plan's last resort halves BLOCK_M until it fits."""
+    stages (Triton: 327680 bytes); the plan's last resort halves BLOCK_M until it fits."""
     limit = 232448
     assert fit("bwd_dy", DEFAULTS["bwd_dy"], 256, 2, limit) is None
     for phase in ("fwd_h", "bwd_dy", "bwd_da"):
         conf = fit_smaller(phase, DEFAULTS[phase], 256, 2, limit)
         assert conf is not None and smem_bytes(phase, conf, 256, 2) <= limit, phase
-    assert fit_smaller("bwd_dy", DEFAULTS["bwd_dy"], 256, 2, limit)["BLOCK_M"] == 128
+    assert fit_smaller("bwd_dy", DEFAULTS["bwd_dy"], 256, 2, limit)["BLOCK_M"] == 64  # Triton: 180224 bytes
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("R", [16, 48, 128, pytest.param(256, marks=pytest.mark.xfail(
-    reason="r=256 still overflows shared memory on the H100 in one skinny kernel (Triton asked for 278528 "
-    "bytes): the model of it is not right there yet", strict=False))])
+@pytest.mark.parametrize("R", [16, 48, 128, 256])
 def test_gpu_fp32_factors_at_every_rank(R):
     """fwd_h and bwd_dy read fp32 factors beside bf16 x at the 1B shape (K=2048, M=4096): the same
     h, dh and db as with the factors cast first, db in fp32. r=48 is q/k/v's stacked A (it
