@@ -326,3 +326,23 @@ def test_grad_of_grad_through_the_op_equals_plain_torch(impl):
                                xg, create_graph=True)
     (hv,) = torch.autograd.grad((g * v).sum(), xg)
     assert torch.allclose(hv, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_compiled_op_reads_fp32_factors_as_the_eager_path_does():
+    """fp32 master factors beside fp16 x: compiled, the op takes them as they are, like the eager
+    path, so the same kernels see the same operands and y and the fp32 factor gradients agree
+    exactly. (Compiled calls used to cast A and B to fp16 first: rounded factors, and gradients
+    rounded to fp16 before the cast back.)"""
+    x, w, b, lo = make(M=24, K=32, N=16, r=4, lead=(2,))
+    x, w, b = x.half(), w.half(), b.half()
+    factors = [lo.A.clone().requires_grad_(), lo.B.clone().requires_grad_()]
+
+    def loss(a, b_):
+        return lora_linear(x, w, b, fa.LoRA(a, b_, lo.scale), impl="triton").float().square().sum()
+
+    eager = torch.autograd.grad(loss(*factors), factors)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*factors), factors)
+    for name, got, want in zip(("dA", "dB"), compiled, eager):
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
