@@ -22,7 +22,8 @@ Inside the ops every tensor carries a leading *group* axis, so one op call serve
 
 A and B come in their own float dtype (fp32 master factors beside bf16 x): the kernels read them
 as they are, the references cast them, and dA, dB come back in it, so a compiled step neither
-launches casts for them nor rounds their gradients to x's dtype.
+launches casts for them nor rounds their gradients to x's dtype (vmap over a stack still casts:
+the grouped kernels take one dtype; float64 factors are cast for the kernels too).
 
 h is an op output so the backward reuses it instead of recomputing x @ A.T. Dropout masks come
 from a counter-based hash of (seed, m * K + k) (``fastaf.kernels.dropout_hash``), so the backward
@@ -65,6 +66,15 @@ def _t(t: Tensor) -> Tensor:
 
 def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
+
+
+_KERNEL_FACTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernel_factor(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A LoRA factor for the kernels: as it is in a dtype they read (fp32 masters), else (float64)
+    cast to x's ``dtype``."""
+    return t if t.dtype in _KERNEL_FACTOR_DTYPES else t.to(dtype)
 
 
 def reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed):
@@ -172,8 +182,8 @@ def _fwd_impl(
     """Forward op: (y (G, M, N), h (G, M, R)); see the module docstring for shapes."""
     if _single_group(x, weight, bias, a, b, seed) and _use_triton(impl, x):
         y, h = _kernels().lora_linear_fwd(
-            x[0], weight[0], None if bias is None else bias[0], a[0], b[0],
-            scale, dropout_p, seed, impl=impl,
+            x[0], weight[0], None if bias is None else bias[0], _kernel_factor(a[0], x.dtype),
+            _kernel_factor(b[0], x.dtype), scale, dropout_p, seed, impl=impl,
         )
         return y[None], h[None]
     layout = _grouped_layout(x, weight, bias, a, b, dropout_p) if _use_triton(impl, x) else None
@@ -216,7 +226,7 @@ def _bwd_impl(
     """Backward op: (dx (G, M, K), or (G, 0, 0) when not needed; dA (G, R, K); dB (G, N, R))."""
     if _single_group(dy, x, weight, a, b, h, seed) and _use_triton(impl, x):
         dx, da, db = _kernels().lora_linear_bwd(
-            dy[0], x[0], weight[0], a[0], b[0], h[0],
+            dy[0], x[0], weight[0], _kernel_factor(a[0], x.dtype), _kernel_factor(b[0], x.dtype), h[0],
             scale, dropout_p, seed, needs_dx, impl=impl,
         )
         dx = dy.new_empty(1, 0, 0) if dx is None else dx[None]
@@ -498,6 +508,8 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             ctx.triton = _direct_ok(x2, weight, bias, a, b) and _use_triton(impl, x2)
             if not ctx.triton:  # the kernels read fp32 master factors as they are; torch casts
                 a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
+            else:
+                a, b = _kernel_factor(a, x.dtype), _kernel_factor(b, x.dtype)
             y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton)
             y = _unflatten(y, x)
         finally:

@@ -377,8 +377,10 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     split_m = _bwd_da_plan(x, R, dropout_p > 0, None)[1]
     work = (torch.zeros if split_n > 1 or split_m > 1 else torch.empty)(
         M * R + R * K, device=x.device, dtype=torch.float32)
-    dh, db = bwd_dy(dy, b, h, scale, dh=work[:M * R].view(M, R))  # fp32 (M, R), (N, R) in b's dtype
-    da = bwd_da(dh, x, dropout_p, seed, da=work[M * R:].view(R, K))  # fp32 (R, K)
+    # da first: with fp32 factors it is returned as it is, and a custom op's output must start
+    # its storage (its fake says so; Inductor asserts 16-byte alignment of it)
+    dh, db = bwd_dy(dy, b, h, scale, dh=work[R * K:].view(M, R))  # fp32 (M, R), (N, R) in b's dtype
+    da = bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K))  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
     return dx, da.to(a.dtype), db
 

@@ -346,3 +346,29 @@ def test_compiled_op_reads_fp32_factors_as_the_eager_path_does():
     for name, got, want in zip(("dA", "dB"), compiled, eager):
         assert got.dtype == torch.float32, name
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.float64])
+def test_kernel_ops_take_factors_in_another_dtype(factor_dtype):
+    """The registered ops on the kernels with factors in another dtype than x: fp32 masters beside
+    fp16 x (read as they are; dA starts its own storage, as the fake says: Inductor asserts its
+    alignment) and float64 factors beside fp32 x (cast for the kernels, gradients back in float64),
+    eagerly and compiled."""
+    x, w, b, lo = make(M=5, K=32, N=24, r=3, lead=())
+    x_dtype = torch.float16 if factor_dtype == torch.float32 else torch.float32
+    x3, w3 = x.to(x_dtype)[None], w.to(x_dtype)[None]
+    a3, b3 = lo.A.to(factor_dtype)[None], lo.B.to(factor_dtype)[None]
+    y, h = torch.ops.fastaf.lora_linear_fwd(x3, w3, None, a3, b3, 0.5, 0.0, None, "triton")
+    args = (torch.randn_like(y), x3, w3, a3, b3, h, 0.5, 0.0, None, True, "triton")
+    torch.library.opcheck(torch.ops.fastaf.lora_linear_bwd.default, args, test_utils=("test_faketensor",))
+    dx, da, db = torch.ops.fastaf.lora_linear_bwd(*args)
+    assert da.storage_offset() == 0 and (da.dtype, db.dtype) == (factor_dtype, factor_dtype)
+    factors = [lo.A.to(factor_dtype).requires_grad_(), lo.B.to(factor_dtype).requires_grad_()]
+
+    def loss(a, b_):
+        return lora_linear(x3[0], w3[0], None, fa.LoRA(a, b_, 0.5), impl="triton").float().sum()
+
+    for run in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        grads = torch.autograd.grad(run(*factors), factors)
+        assert [g.dtype for g in grads] == [factor_dtype, factor_dtype]
