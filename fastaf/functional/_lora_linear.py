@@ -371,13 +371,14 @@ def _nested_traced() -> bool:
 def _differentiated(dy: Tensor) -> bool:
     """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
     is active (one level's backward runs with create_graph, which alone needs no higher order);
-    under plain autograd, create_graph with a cotangent that carries history."""
+    under plain autograd, create_graph (the engine runs a backward in grad mode exactly then). A
+    constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x still depends on B."""
     if torch.compiler.is_compiling():
         return False
     stack = _functorch.get_interpreter_stack()
     if stack:
         return sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2
-    return torch.is_grad_enabled() and dy.requires_grad
+    return torch.is_grad_enabled()
 
 
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:

@@ -300,6 +300,24 @@ def test_double_backward_in_plain_autograd_matches_the_formula():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_create_graph_with_a_constant_cotangent_stays_differentiable(impl):
+    """dA of y.sum() (a cotangent without history) still depends on B: with create_graph the VJP
+    records it, so a penalty on dA has a gradient for B (it used to come back without a graph)."""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    x, w, b, lo = make(lead=())
+    A, B = lo.A.clone().requires_grad_(), lo.B.clone().requires_grad_()
+
+    def penalty(f):
+        (ga,) = torch.autograd.grad(f(x).sum(), A, create_graph=True)
+        return torch.autograd.grad(ga.square().sum(), B)[0]
+
+    got = penalty(lambda xx: lora_linear(xx, w, b, fa.LoRA(A, B, lo.scale), impl=impl))
+    want = penalty(lambda xx: xx @ w.T + b + lo.scale * (xx @ A.T) @ B.T)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_grad_of_grad_through_the_op_equals_plain_torch(impl):
     """A Hessian-vector product through the op (torch.func.grad of grad, and autograd's double
     backward): the backward is differentiated, not taken as a constant (it once gave zeros)."""
