@@ -231,7 +231,6 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
     def forward(ctx, level, x, weight, bias, h, a, b, scale, impl):
         with _below(level, x, weight, bias, h, a, b) as (x, weight, bias, h, a, b):
             x2 = _flat(x)
-            ctx.b_dtype = b.dtype
             y = _unflatten(_given_h_fwd_impl(x2, weight, bias, h, b, scale, impl), x)
         ctx.save_for_backward(x2, weight, h, a, b)
         ctx.level, ctx.scale, ctx.impl = level, scale, impl
@@ -254,8 +253,8 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             if need_x and dy.dim() != 2:
                 dx = dx.view(*dy.shape[:-1], x2.shape[-1])
             dw, dbias = _vjp_weight_bias(dy2, x2, need_w, need_bias)
-            db = _as_dtype(db, ctx.b_dtype) if need_b else None
-        return None, (dx if need_x else None), dw, dbias, (dh if need_h else None), None, db, None, None
+        # db comes in b's dtype from either path
+        return None, (dx if need_x else None), dw, dbias, (dh if need_h else None), None, (db if need_b else None), None, None
 
 
 _shared_direct_apply = _SharedHDirect.apply

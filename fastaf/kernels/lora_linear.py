@@ -202,8 +202,7 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
-    backward zero dh and da with one memset). db is a tensor of its own: the ops return it beside
-    da, and a custom op's outputs may not share storage.
+    backward zero dh and da with one memset).
     """
     M, N = dy.shape
     R = b.shape[1]

@@ -165,8 +165,9 @@ def _skinny_conf(phase: str, dev: torch.device, key: dict, config: Optional[dict
     """
     conf = _config(phase, dev, key, config)
     factor_fits = True
-    if factor is not None and _elt(factor) > _elt(key["dtype"]) and config is None and dev.type == "cuda":
-        fitted = fit(phase, conf, _r_pad(key["R"]), _elt(key["dtype"]), _smem_limit(dev), _elt(factor))
+    elt = _elt(key["dtype"])
+    if factor is not None and _elt(factor) > elt and config is None and dev.type == "cuda":
+        fitted = fit(phase, conf, _r_pad(key["R"]), elt, _smem_limit(dev), _elt(factor))
         conf, factor_fits = (fitted, True) if fitted is not None else (conf, False)
     tma = bool(conf.get("USE_TMA", 0)) and tma_ok and _hopper(dev)
     return conf, tma, {k: v for k, v in conf.items() if k not in flags}, factor_fits
