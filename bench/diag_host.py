@@ -1,0 +1,123 @@
+"""Host time of an eager LoRA training step, forward and backward apart (BENCH.md's 1B shape).
+
+    python bench/diag_host.py [--liger] [--tokens 1x128] [--steps 20]
+
+An eager step is host-bound when its Python issues kernels slower than the GPU runs them. At a
+few tokens the GPU's work is tiny, so the wall time of each phase is the host's own time for
+it; at the full shape (8 x 1024) the same split shows which phase waits on the host. Per
+provider and per phase (forward to the loss, ``loss.backward()``, optimizer), the median of
+``--steps`` steps after a synchronize, in ms. Providers: the frozen model (``base``: backward to
+the input embeddings, no optimizer), ``fastaf.functional_call`` with plain autograd
+(``fastaf-autograd``), and PEFT with bf16 adapters (``peft-bf16``); ``--liger`` patches
+Liger-Kernel in first, as bench_e2e.py's ``--liger`` does.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_e2e import TARGETS, _liger, make_model  # noqa: E402
+
+import fastaf as fa  # noqa: E402
+
+
+def _phases(model, ids, provider: str):
+    """(forward -> loss, params the optimizer steps or [])."""
+    if provider == "base":
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+        return (lambda: model(inputs_embeds=emb, labels=ids).loss), []
+    if provider == "peft-bf16":
+        import peft
+
+        cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
+        pm = peft.get_peft_model(copy.deepcopy(model), cfg, autocast_adapter_dtype=False)
+        return (lambda: pm(input_ids=ids, labels=ids).loss), [p for p in pm.parameters() if p.requires_grad]
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+    leaves, spec = pytree.tree_flatten(adapter)
+    leaves = [t.requires_grad_() for t in leaves]
+    batch = {"input_ids": ids, "labels": ids}
+    return (lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss), leaves
+
+
+def measure(model, ids, provider: str, steps: int) -> dict:
+    """Median ms per phase over ``steps`` steps, each started on an idle GPU."""
+    forward, params = _phases(model, ids, provider)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=ids.is_cuda) if params else None
+    rows = []
+    for i in range(steps + 3):  # 3 warm-up steps: Triton compiles, the allocator settles
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        if i >= 3:
+            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+    med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*rows)]
+    return dict(zip(("forward", "backward", "optimizer", "gpu_tail", "step"), med))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--liger", action="store_true")
+    ap.add_argument("--tokens", default="1x128", help="batch x seq (default 1x128: host-bound)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--providers", default="base,fastaf-autograd,peft-bf16")
+    ap.add_argument("--profile", default="", metavar="PROVIDER",
+                    help="then cProfile this provider's forward and backward apart (by cumulative time)")
+    ap.add_argument("--top", type=int, default=45, help="rows of each profile")
+    args = ap.parse_args()
+    batch, seq = (int(v) for v in args.tokens.split("x"))
+    model = make_model(False, "cuda")
+    model = _liger(model) if args.liger else model
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    print(f"{'liger ' if args.liger else ''}{batch}x{seq} tokens: ms per phase (median of {args.steps})")
+    print(f"  {'provider':16s} {'forward':>8s} {'backward':>9s} {'optim':>7s} {'gpu tail':>9s} {'step':>8s}")
+    for name in args.providers.split(","):
+        r = measure(model, ids, name, args.steps)
+        print(f"  {name:16s} {r['forward']:8.2f} {r['backward']:9.2f} {r['optimizer']:7.2f} {r['gpu_tail']:9.2f} "
+              f"{r['step']:8.2f}", flush=True)
+        torch.cuda.empty_cache()
+    if args.profile:
+        profile(model, ids, args.profile, args.top)
+
+
+def profile(model, ids, provider: str, top: int, steps: int = 5) -> None:
+    """cProfile of ``steps`` forwards, then of their backwards, each sorted by cumulative time:
+    which Python a phase's host time goes to (cProfile roughly doubles the cost of small calls)."""
+    import cProfile
+    import pstats
+
+    forward, _ = _phases(model, ids, provider)
+    for _ in range(3):
+        forward().backward()
+    fwd, bwd = cProfile.Profile(), cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        fwd.enable()
+        loss = forward()
+        fwd.disable()
+        bwd.enable()
+        loss.backward()
+        bwd.disable()
+    for phase, prof in (("forward", fwd), ("backward", bwd)):
+        print(f"== {provider} {phase}: {steps} steps", flush=True)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top // 2)
+
+
+if __name__ == "__main__":
+    main()
