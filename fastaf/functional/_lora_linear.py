@@ -190,7 +190,8 @@ def _fwd_impl(
     if layout is not None:
         G, M, K = a.shape[0], x.shape[1], x.shape[2]
         bias0 = None if bias is None else bias[0]
-        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # the grouped kernels take one dtype
+        # the grouped kernels read fp32 master factors as they are; float64 ones are cast
+        a, b = _kernel_factor(a, x.dtype), _kernel_factor(b, x.dtype)
         if layout == "segments":
             ids = torch.arange(G, device=x.device)
             y, h = _multi_kernels().multi_fwd(x.reshape(G * M, K), weight[0], bias0, a, b, ids, scale)
@@ -237,7 +238,9 @@ def _bwd_impl(
         G, M, K, N = a.shape[0], x.shape[1], x.shape[2], dy.shape[2]
         dy2, h2 = dy.reshape(G * M, N), h.reshape(G * M, -1).contiguous()
         a_dtype, b_dtype = a.dtype, b.dtype
-        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # the grouped kernels take one dtype
+        # fp32 masters as they are: dA, dB come back in fp32, unrounded (but for the shared layout's
+        # dA, one cuBLAS GEMM in x's dtype); float64 ones are cast, their gradients cast back
+        a, b = _kernel_factor(a, x.dtype), _kernel_factor(b, x.dtype)
         if layout == "segments":
             ids = torch.arange(G, device=x.device)
             dx, da, db = _multi_kernels().multi_bwd(dy2, x.reshape(G * M, K), weight[0], a, b, h2, ids, scale,

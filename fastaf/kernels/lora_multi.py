@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import _launch
 from .lora_linear_kernels import _tile_coords
-from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available
+from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _smem_limit, _tma_2d, available
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta, _r_pad, _tf32
 
@@ -345,17 +345,39 @@ def _common(dtype: torch.dtype, R: int) -> dict:
     return dict(R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype))
 
 
-def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, S: int, n_seg: int, L: int, R: int,
-                block: str) -> tuple:
+def _fitted(tiles, stages: int, block: int, limit: int) -> tuple[int, int]:
+    """(num_stages, block) whose pipelined tiles, ``stages * tiles(block)`` bytes, fit ``limit``:
+    stages lowered to 2 first, then the reduction block halved (not below 16).
+
+    At the top ranks the factor's (block, R_PAD) tile dominates: at R_PAD=256, three stages of the
+    h kernel's (64, 128) x and (128, 256) A tiles took 245760 bytes with bf16 factors and 376832
+    with fp32 ones on the H100 (limit 232448): a vmap over a rank-256 stack raised OutOfResources.
+    """
+    while stages * tiles(block) > limit:
+        if stages > 2:
+            stages -= 1
+        elif block > 16:
+            block //= 2
+        else:
+            break  # the smallest tiles: let Triton say what it needs
+    return stages, block
+
+
+def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, factor: torch.dtype, S: int, n_seg: int,
+                L: int, R: int, block: str) -> tuple:
     """(grid, meta, key) of a segment kernel that reduces over L in blocks of ``block`` (BLOCK_K
-    or BLOCK_N), split over ``SPLIT_K`` / ``SPLIT_N`` programs to fill the GPU."""
-    memo = (name, dev, dtype, _tf32(dtype), S, n_seg, L, R)
+    or BLOCK_N), split over ``SPLIT_K`` / ``SPLIT_N`` programs to fill the GPU. Per step of its
+    loop it pipelines a (BLOCK_M, block) tile of x or dy (``dtype``) and a (block, R_PAD) tile of
+    the factor (``factor``: fp32 masters are read as they are)."""
+    memo = (name, dev, dtype, factor, _tf32(dtype), S, n_seg, L, R)
     plan = _plans.get(memo)
     if plan is None:
-        bm, bl = _block_m(S), _blocks(dev)[block]
+        bm = _block_m(S)
+        per_col = bm * dtype.itemsize + _r_pad(R) * factor.itemsize
+        stages, bl = _fitted(lambda b: per_col * b, 3, _blocks(dev)[block], _smem_limit(dev))
         split = _splits(dev, n_seg * _cdiv(S, bm), _cdiv(L, bl))
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), split), *_meta(
-            BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=WARPS, num_stages=3,
+            BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=WARPS, num_stages=stages,
             **_common(dtype, R)))
     return plan
 
@@ -370,7 +392,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
     R, n_seg = a.shape[1], ids.shape[0]
     S = T // n_seg
-    grid, meta, key = _split_plan("h", x.device, x.dtype, S, n_seg, K, R, "BLOCK_K")
+    grid, meta, key = _split_plan("h", x.device, x.dtype, a.dtype, S, n_seg, K, R, "BLOCK_K")
     h = _rank_rows(T, R, grid, x.device)
     _SITES["h"](grid, (x, a, ids, h, S, K, R, x.stride(0), x.stride(1), *a.stride()), meta, key)
     return h
@@ -398,10 +420,27 @@ def _fused_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
             and (w_kn.shape[1] * x.element_size()) % 16 == 0)
 
 
-def _fuse(x: torch.Tensor, w_kn: torch.Tensor, ids: torch.Tensor) -> bool:
-    """The dispatch between the fused GEMM and cuBLAS + the expand kernel (FUSE_MIN_*)."""
+def _epilogue_fits(x: torch.Tensor, w_kn: torch.Tensor, u: torch.Tensor) -> bool:
+    """The fused GEMM's epilogue tiles fit shared memory: an fp32 (BLOCK_M, R_PAD) tile of h and an
+    (R_PAD, BLOCK_N) tile of u. Triton 3.6 sized them at exactly that, 262144 bytes, for 128 x 256
+    tiles at R_PAD=256 with bf16 u on the H100 (limit 232448); rank 128 fits."""
+    (T, K), N, R, dev = x.shape, w_kn.shape[1], u.shape[1], x.device
+    memo = ("epilogue", dev, x.dtype, u.dtype, T, N, K, R)
+    fits = _plans.get(memo)
+    if fits is None:
+        conf = _config("gemm", dev, _gemm_key(T, N, K, R, x.dtype, w_kn))
+        r_pad = _r_pad(R)
+        fits = _plans[memo] = (conf["BLOCK_M"] * r_pad * 4 + r_pad * conf["BLOCK_N"] * u.element_size()
+                               <= _smem_limit(dev))
+    return fits
+
+
+def _fuse(x: torch.Tensor, w_kn: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> bool:
+    """The dispatch between the fused GEMM and cuBLAS + the expand kernel (FUSE_MIN_*, and the
+    fused epilogue's tiles fitting shared memory: up to rank 128). u (n, R, N) as in fused_gemm."""
     T = x.shape[0]
-    return T >= FUSE_MIN_ROWS and T // ids.shape[0] >= FUSE_MIN_SEGMENT and _fused_ok(x, w_kn)
+    return (T >= FUSE_MIN_ROWS and T // ids.shape[0] >= FUSE_MIN_SEGMENT and _fused_ok(x, w_kn)
+            and _epilogue_fits(x, w_kn, u))
 
 
 def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
@@ -438,7 +477,7 @@ def multi_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """(y (T, N) in x's dtype, h fp32 (T, R)). x (T, K), weight (N, K), bias (N,) or None,
     a (n, R, K), b (n, N, R) in x's dtype, ids (T // S,) int32/int64 on x's device."""
     h = shrink(x, a, ids)
-    if fused if fused is not None else _fuse(x, weight.T, ids):
+    if fused if fused is not None else _fuse(x, weight.T, ids, b.transpose(1, 2)):
         return fused_gemm(x, weight.T, bias, h, b.transpose(1, 2), ids, scale), h
     y = torch.nn.functional.linear(x, weight, bias)
     return expand_(y, h, b.transpose(1, 2), ids, scale), h
@@ -452,11 +491,14 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
     memo = ("dfactor", lhs.device, lhs.dtype, _tf32(lhs.dtype), S, n_seg, C, R, out.shape[0])
     plan = _plans.get(memo)
     if plan is None:
-        bc = _blocks(lhs.device)["BLOCK_N"]
+        bm = _block_m(S)
+        # per step: a (BLOCK_M, BLOCK_C) tile of lhs and a (BLOCK_M, R_PAD) fp32 tile of rhs
+        stages, bc = _fitted(lambda c: bm * (c * lhs.element_size() + _r_pad(R) * 4), 3,
+                             _blocks(lhs.device)["BLOCK_N"], _smem_limit(lhs.device))
         plan = _plans[memo] = ((out.shape[0], _cdiv(C, bc)), *_meta(
             # ids scanned 64 at a time: one vector load each; a popular slot's segments are summed by
             # one program per block (skewed ids serialise there: a known cost, not measured)
-            BLOCK_M=_block_m(S), BLOCK_C=bc, ID_CHUNK=min(64, _r_pad(n_seg)), num_warps=WARPS, num_stages=3,
+            BLOCK_M=bm, BLOCK_C=bc, ID_CHUNK=min(64, _r_pad(n_seg)), num_warps=WARPS, num_stages=stages,
             **_common(lhs.dtype, R)))
     grid, meta, key = plan
     _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
@@ -469,7 +511,7 @@ def _dh(dy: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, scale: float) -> t
     T, N = dy.shape
     R, n_seg = b.shape[2], ids.shape[0]
     S = T // n_seg
-    grid, meta, key = _split_plan("dh", dy.device, dy.dtype, S, n_seg, N, R, "BLOCK_N")
+    grid, meta, key = _split_plan("dh", dy.device, dy.dtype, b.dtype, S, n_seg, N, R, "BLOCK_N")
     dh = _rank_rows(T, R, grid, dy.device)
     _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
     return dh
@@ -517,7 +559,7 @@ def multi_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.
     _dfactor(x, dh, ids, da.transpose(1, 2), 1.0)
     if not needs_dx:
         return None, da, db
-    if fused if fused is not None else _fuse(dy, weight, ids):
+    if fused if fused is not None else _fuse(dy, weight, ids, a):
         return fused_gemm(dy, weight, None, dh, a, ids, 1.0), da, db
     dx = expand_(dy @ weight, dh, a, ids, 1.0)
     return dx, da, db

@@ -46,3 +46,30 @@ def test_vmap_over_stack_on_cuda():
     got = torch.func.vmap(lambda a: fa.functional_call(model, a, (ids,)).logits)(fa.stack(ads))
     for i, ad in enumerate(ads):
         assert rel_err(got[i], fa.functional_call(model, ad, (ids,)).logits) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("r", [16, 64, 256])
+@pytest.mark.parametrize("x_batched", [True, False])
+def test_vmap_over_a_stack_of_fp32_masters_real_size(r, x_batched):
+    """bf16 x, a stack of G fp32 master adapters through the grouped kernels at a real size (up
+    to the grouped kernels' top rank, where fp32 factor tiles are largest): values and the
+    stack's fp32 gradients against fp64."""
+    g = torch.Generator(device="cuda").manual_seed(r)
+    G, M, K, N = 3, 1024, 2048, 1536
+    x = torch.randn(G, M, K, device="cuda", generator=g).bfloat16()
+    x = x if x_batched else x[0]
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    stack = fa.LoRA(torch.randn(G, r, K, device="cuda", generator=g) / K**0.5,
+                    torch.randn(G, N, r, device="cuda", generator=g) / r**0.5, 2.0)
+    dims = (0 if x_batched else None, 0)
+
+    def value_and_grads(xx, ww, st):
+        f = lambda xi, lo: fa.functional.lora_linear(xi, ww, None, lo)
+        y = torch.func.vmap(f, dims)(xx, st)
+        return y, torch.func.grad(lambda s: torch.func.vmap(f, dims)(xx, s).double().square().mean())(st)
+
+    y, gr = value_and_grads(x, w, stack)
+    y64, g64 = value_and_grads(x.double(), w.double(), fa.LoRA(stack.A.double(), stack.B.double(), 2.0))
+    assert rel_err(y, y64) < REL_TOL[torch.bfloat16]
+    assert gr.A.dtype == gr.B.dtype == torch.float32
+    assert rel_err(gr.A, g64.A) < 2 * REL_TOL[torch.bfloat16] and rel_err(gr.B, g64.B) < 2 * REL_TOL[torch.bfloat16]

@@ -312,6 +312,39 @@ def test_vmap_over_a_stack_with_x_unbatched_takes_the_shared_x_kernels(monkeypat
     assert rel_err(gs.A, gs_ref.A) < 1e-5 and rel_err(gs.B, gs_ref.B) < 1e-5
 
 
+@needs_triton
+@pytest.mark.parametrize("x_batched", [True, False])
+def test_vmap_over_a_stack_keeps_fp32_master_gradients(x_batched, monkeypatch):
+    """fp32 master factors beside half x through the grouped kernels: the stack's gradients come
+    back in fp32 without a round trip through x's dtype (dB on both layouts, dA where x is batched;
+    the shared layout's dA is one cuBLAS GEMM in x's dtype), close to the fp64 reference."""
+    from fastaf.kernels import lora_multi
+
+    calls = []
+    for name in ("multi_bwd", "shared_bwd"):
+        fn = getattr(lora_multi, name)
+        monkeypatch.setattr(lora_multi, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    x, w, bias, stack = _op_inputs(3, 16, K=32, N=24)
+    x = x if x_batched else x[0]
+    dims = (0 if x_batched else None, 0)
+
+    def grads(impl, st, *tensors):
+        xx, w, bias = tensors
+        f = lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl=impl)
+        return torch.func.grad(lambda s: torch.func.vmap(f, dims)(xx, s).double().square().sum())(st)
+
+    g = grads("triton", stack, *(t.half() for t in (x, w, bias)))
+    assert calls == ["multi_bwd" if x_batched else "shared_bwd"]
+    # the reference: the same half inputs, everything computed in fp64
+    g64 = grads("torch", fa.LoRA(stack.A.double(), stack.B.double(), stack.scale),
+                *(t.half().double() for t in (x, w, bias)))
+    for name in ("A", "B") if x_batched else ("B",):
+        got, want = getattr(g, name), getattr(g64, name)
+        assert got.dtype == torch.float32, name
+        assert (got.half().float() != got).any(), f"d{name} was rounded to x's dtype"
+        assert rel_err(got, want.float()) < 5e-3, name
+
+
 def test_grad_of_grad_through_the_grouped_op_equals_plain_torch():
     from fastaf.functional._multi import lora_linear_multi
 

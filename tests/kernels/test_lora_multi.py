@@ -104,6 +104,16 @@ def test_base_only_segments_are_the_base_layer_exactly():
     assert dx is None
 
 
+@pytest.mark.parametrize("r_pad,factor_elt,want", [(16, 2, (3, 128)), (256, 2, (2, 128)), (256, 4, (2, 64))])
+def test_segment_tiles_fit_the_h100s_shared_memory(r_pad, factor_elt, want):
+    """The h kernel's pipelined tiles per K column: 64 rows of bf16 x and R_PAD of the factor. At
+    r=16 the shipped 3 stages x 128 stay; at R_PAD=256 Triton sized those at 245760 (bf16 A) and
+    376832 bytes (fp32 A) on the H100, over its 232448."""
+    per_col = 64 * 2 + r_pad * factor_elt
+    stages, block = lora_multi._fitted(lambda b: per_col * b, 3, 128, 232448)
+    assert (stages, block) == want and stages * per_col * block <= 232448
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fused", [False, True])
