@@ -532,17 +532,28 @@ def shared_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return expand_(y, h, b.transpose(1, 2), torch.arange(G, device=x.device), scale), h
 
 
+def _mm_into(lhs: torch.Tensor, rhs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """lhs @ rhs in ``dtype`` from one cuBLAS GEMM of 16-bit operands: an fp32 result (fp32 master
+    factors' gradients) is written by the GEMM's fp32 epilogue, never rounded through lhs's dtype."""
+    if dtype == lhs.dtype:
+        return lhs @ rhs
+    if lhs.is_cuda and dtype == torch.float32 and hasattr(torch.ops.aten.mm, "dtype"):
+        return torch.mm(lhs, rhs, out_dtype=dtype)  # torch >= 2.8 on CUDA
+    return (lhs.float() @ rhs.float()).to(dtype)  # elsewhere (the interpreter's CPU tests): in fp32
+
+
 def shared_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                h: torch.Tensor, scale: float, needs_dx: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Backward of ``shared_fwd``: (dx (G*M, K) per group or None, dA (G, R, K), dB (G, N, R)).
-    dA for every adapter is one cuBLAS GEMM against x; dh, dB and dx's LoRA part are the kernels'."""
+    """Backward of ``shared_fwd``: (dx (G*M, K) per group or None, dA (G, R, K) in a's dtype,
+    dB (G, N, R) in b's). dA for every adapter is one cuBLAS GEMM against x (fp32 out for fp32
+    masters); dh, dB and dx's LoRA part are the kernels'."""
     G, R, K = a.shape
     M = x.shape[0]
     ids = torch.arange(G, device=x.device)
     dh = _dh(dy, b, ids, scale)  # (G * M, R)
     db = _dfactor(dy, h, ids, torch.empty(b.shape, device=b.device, dtype=b.dtype), scale)
     dh_m = dh.view(G, M, R).transpose(0, 1).reshape(M, G * R).to(x.dtype)
-    da = (dh_m.T @ x).view(G, R, K).to(a.dtype)
+    da = _mm_into(dh_m.T, x, a.dtype).view(G, R, K)
     dx = expand_(dy @ weight, dh, a, ids, 1.0) if needs_dx else None
     return dx, da, db
 
