@@ -29,6 +29,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - ``<fastaf provider>-perop``: eager ``torch.func`` with the model run at the grad level, each
   adapted layer its own node (``_below_grad.ENABLED = False``; by default the call runs below the
   level as plain autograd).
+- ``<fastaf provider>-mode``: an eager call enters a ``TorchFunctionMode`` over the whole call
+  (``_call.CARRY = False``) instead of the targeted weights carrying the adapter (``_carrier``).
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
   the model first (eager: Liger breaks ``fullgraph``); providers base-liger, peft-bf16-liger,
   fastaf-autograd-liger, fastaf-init-liger and fastaf-func-liger (Liger's old-style Functions
@@ -59,7 +61,7 @@ PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-
 LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger", "fastaf-func-liger"]
 # provider suffix -> (module, flag, value) set around each step: both paths in one process
 SUFFIXES = {"-alone": (_call, "SHARE_INPUT", "never"), "-shared": (_call, "SHARE_INPUT", "always"),
-            "-perop": (_below_grad, "ENABLED", False)}
+            "-perop": (_below_grad, "ENABLED", False), "-mode": (_call, "CARRY", False)}
 
 
 def make_model(tiny: bool, device: str):

@@ -10,6 +10,12 @@ provider and per phase (forward to the loss, ``loss.backward()``, optimizer), th
 the input embeddings, no optimizer), ``fastaf.functional_call`` with plain autograd
 (``fastaf-autograd``), and PEFT with bf16 adapters (``peft-bf16``); ``--liger`` patches
 Liger-Kernel in first, as bench_e2e.py's ``--liger`` does.
+
+Two diagnostic providers isolate the interception's share: ``pass-mode`` runs the base under a
+``TorchFunctionMode`` that only forwards every call (the tax a mode spanning the call puts on
+each torch call of the model), and ``weight-subclass`` is a prototype of lorax's design: the
+targeted weights are swapped for a tensor subclass carrying its LoRA for the forward, so only
+calls that receive an adapted weight reach Python (F.linear only; no threads, hooks or checks).
 """
 from __future__ import annotations
 
@@ -28,46 +34,129 @@ from bench.bench_e2e import TARGETS, _liger, make_model  # noqa: E402
 import fastaf as fa  # noqa: E402
 
 
+class _PassMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _LoRAWeight(torch.Tensor):
+    """Prototype: a weight that carries its LoRA; ``F.linear`` on it runs fastaf's fused op."""
+
+    @staticmethod
+    def __new__(cls, weight, lora):
+        t = weight.as_subclass(cls)
+        t.raw, t.lora = weight, lora
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and type(args[1]) is cls:
+            w = args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return fa.functional.lora_linear(args[0], w.raw, bias, w.lora, training=True)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _subclass_forward(model, adapter, batch):
+    modules = dict(model.named_modules())
+    swapped = [(modules[p], modules[p]._parameters["weight"], lora) for p, lora in adapter.items()]
+    for m, w, lora in swapped:
+        m._parameters["weight"] = _LoRAWeight(w, lora)
+    try:
+        return model(**batch).loss
+    finally:
+        for m, w, _ in swapped:
+            m._parameters["weight"] = w
+
+
 def _phases(model, ids, provider: str):
-    """(forward -> loss, params the optimizer steps or [])."""
+    """(forward -> loss, params the optimizer steps or []). A ``-mode`` suffix: fastaf's eager call
+    enters its mode over the whole call instead of carrying the adapter on the weights."""
+    if provider.endswith("-mode"):
+        from fastaf.functional import _call
+
+        forward, params = _phases(model, ids, provider.removesuffix("-mode"))
+
+        def with_mode():
+            _call.CARRY = False
+            try:
+                return forward()
+            finally:
+                _call.CARRY = True
+
+        return with_mode, params
     if provider == "base":
         emb = model.get_input_embeddings()(ids).detach().requires_grad_()
         return (lambda: model(inputs_embeds=emb, labels=ids).loss), []
+    if provider == "pass-mode":
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+
+        def forward():
+            with _PassMode():
+                return model(inputs_embeds=emb, labels=ids).loss
+
+        return forward, []
     if provider == "peft-bf16":
         import peft
 
         cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
         pm = peft.get_peft_model(copy.deepcopy(model), cfg, autocast_adapter_dtype=False)
         return (lambda: pm(input_ids=ids, labels=ids).loss), [p for p in pm.parameters() if p.requires_grad]
+    if provider == "fastaf-init":
+        m = fa.init(copy.deepcopy(model))
+        m.add_new_adapter("a", fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
+        m.set_active_adapter("a")
+        return (lambda: m(input_ids=ids, labels=ids).loss), [p for p in m.parameters() if p.requires_grad]
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     leaves, spec = pytree.tree_flatten(adapter)
     leaves = [t.requires_grad_() for t in leaves]
     batch = {"input_ids": ids, "labels": ids}
+    if provider == "weight-subclass":
+        return (lambda: _subclass_forward(model, pytree.tree_unflatten(leaves, spec), batch)), leaves
     return (lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss), leaves
 
 
-def measure(model, ids, provider: str, steps: int) -> dict:
-    """Median ms per phase over ``steps`` steps, each started on an idle GPU."""
-    forward, params = _phases(model, ids, provider)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=ids.is_cuda) if params else None
-    rows = []
-    for i in range(steps + 3):  # 3 warm-up steps: Triton compiles, the allocator settles
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = forward()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        if i >= 3:
-            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
-    med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*rows)]
-    return dict(zip(("forward", "backward", "optimizer", "gpu_tail", "step"), med))
+_PHASES = ("forward", "backward", "optimizer", "gpu_tail", "step")
+
+
+def _timed_step(forward, opt) -> tuple[float, ...]:
+    """One step from an idle GPU: seconds of each phase (``_PHASES``)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = forward()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
+
+
+def measure(model, ids, providers: list[str], steps: int) -> dict[str, dict]:
+    """Median ms per phase over ``steps`` steps of each provider, each started on an idle GPU.
+
+    The providers alternate step by step (after 3 warm-up steps each: Triton compiles, the
+    allocator settles), so a slow stretch of the host falls on all of them alike: on the H100
+    machine a provider's median moved by up to 15 ms between two blocks of steps.
+    """
+    built = {}
+    for name in providers:
+        forward, params = _phases(model, ids, name)
+        built[name] = (forward, torch.optim.AdamW(params, lr=1e-4, fused=ids.is_cuda) if params else None)
+    rows: dict[str, list] = {name: [] for name in providers}
+    for i in range(steps + 3):
+        for name, (forward, opt) in built.items():
+            times = _timed_step(forward, opt)
+            if i >= 3:
+                rows[name].append(times)
+    return {name: dict(zip(_PHASES, (sorted(col)[len(col) // 2] * 1e3 for col in zip(*r))))
+            for name, r in rows.items()}
 
 
 def main() -> None:
@@ -84,13 +173,12 @@ def main() -> None:
     model = make_model(False, "cuda")
     model = _liger(model) if args.liger else model
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
-    print(f"{'liger ' if args.liger else ''}{batch}x{seq} tokens: ms per phase (median of {args.steps})")
+    print(f"{'liger ' if args.liger else ''}{batch}x{seq} tokens: ms per phase (median of {args.steps} steps, "
+          "providers alternating step by step)")
     print(f"  {'provider':16s} {'forward':>8s} {'backward':>9s} {'optim':>7s} {'gpu tail':>9s} {'step':>8s}")
-    for name in args.providers.split(","):
-        r = measure(model, ids, name, args.steps)
+    for name, r in measure(model, ids, args.providers.split(","), args.steps).items():
         print(f"  {name:16s} {r['forward']:8.2f} {r['backward']:9.2f} {r['optimizer']:7.2f} {r['gpu_tail']:9.2f} "
               f"{r['step']:8.2f}", flush=True)
-        torch.cuda.empty_cache()
     if args.profile:
         profile(model, ids, args.profile, args.top)
 

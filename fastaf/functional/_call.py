@@ -6,7 +6,10 @@ layer into ``lora_linear``, so the base GEMM and the LoRA term run as one fused 
 ``x @ W.T`` (Falcon's ``FalconLinear``; any transpose of W, ``@`` / ``matmul``).
 
 The mode spans the call, so a weight is adapted wherever it is used, inside its module or not.
-Eagerly, per-call pre-hooks on the targeted modules (``_WeightWatch``) count their calls and
+Eagerly, where nothing needs the mode, the weights carry the adapter instead (``_carrier``: the
+same rules, seen only by calls that receive an adapted weight; on the H100, Liger-patched 1B
+step 121 vs 143 ms, ``e2e-liger-carry3-*.json``).
+With the mode, eagerly, per-call pre-hooks on the targeted modules (``_WeightWatch``) count their calls and
 follow a weight swapped in when its module runs (FSDP2's unsharded weight); they are removed when
 the call returns or raises, so the model is left as it was. Under ``torch.compile`` the mode runs
 alone: tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
@@ -41,6 +44,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
+from . import _carrier
+from . import _rules as rules
 from ._below_grad import call_below, grad_level
 from ._lora_linear import lora_linear
 from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
@@ -54,6 +59,10 @@ from ._siblings import lora_linear_given_h, shareable, shared_h
 # device time fell 1.5 ms per step while the eager autograd step went from 147.7 to 156.6 ms and
 # the torch.func one from 157.9 to 199.1 ms; compiled, the step went from 108.4 to 106.9 ms.
 SHARE_INPUT = "compiled"
+
+# Whether an eager call may carry the adapter on its weights (``_carrier``) instead of entering a
+# mode over the whole call; benchmarks flip it for an A/B in one process, tests for both paths.
+CARRY = True
 
 
 @dataclasses.dataclass
@@ -74,10 +83,6 @@ class _Route:
 
 
 _TensorBase = torch._C.TensorBase
-# funcs a mode sees for W.T, W.mT, W.t(), torch.t(W) and W.transpose(0, 1): each reverses a 2-D W
-_TRANSPOSES = {_TensorBase.T.__get__, _TensorBase.mT.__get__, _TensorBase.t, torch.t}
-_TRANSPOSE_DIMS = {_TensorBase.transpose, torch.transpose}
-_MATMULS = {_TensorBase.matmul, torch.matmul}  # x @ y reaches a mode as Tensor.matmul
 # calls that read only a tensor's metadata: a substituted parameter is not made for these
 _METADATA = {
     _TensorBase.size, _TensorBase.dim, _TensorBase.ndimension, _TensorBase.numel, _TensorBase.nelement,
@@ -94,12 +99,6 @@ _IN_PLACE = frozenset(
     [getattr(_TensorBase, n) for n in dir(_TensorBase) if n.endswith("_") and not n.startswith("_")]
     + [_TensorBase.__setitem__]
 )
-
-
-def _swaps(args: tuple, kwargs: dict) -> bool:
-    """Whether ``transpose(t, dim0, dim1)`` of a 2-D t swaps its two dims (0/-2 with 1/-1)."""
-    dims = list(args[1:3]) + [kwargs[k] for k in ("dim0", "dim1") if k in kwargs]
-    return len(dims) == 2 and dims[0] % 2 != dims[1] % 2
 
 
 class _LoRAMode(TorchFunctionMode):
@@ -202,36 +201,34 @@ class _LoRAMode(TorchFunctionMode):
             swapped = self._substitute(args, kwargs)
             if swapped is not None:
                 return func(*swapped[0], **swapped[1])
-        if func in _TRANSPOSES or func in _TRANSPOSE_DIMS:
+        if func in rules.TRANSPOSES or func in rules.TRANSPOSE_DIMS:
             out = func(*args, **kwargs)
             route = self._route(args[0] if args else None)
-            if route is not None and route.weight.dim() == 2 and (func in _TRANSPOSES or _swaps(args, kwargs)):
+            if route is not None and route.weight.dim() == 2 and rules.reverses(func, args, kwargs):
                 self.views[len(self.views) if torch.compiler.is_compiling() else id(out)] = (route, out)
             return out
-        if func in _MATMULS and len(args) == 2 and not kwargs:
+        if func in rules.MATMULS and len(args) == 2 and not kwargs:
             route, weight = self._as_kn(args[1])
             if route is not None:
                 return self._apply(route, args[0], weight, None)
         elif func is F.linear:
-            route = self._route(args[1] if len(args) > 1 else kwargs.get("weight"))
+            x, weight, bias = rules.linear_parts(args, kwargs)
+            route = self._route(weight)
             if route is not None and not route.spec.transposed:
-                x = args[0] if args else kwargs["input"]
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return self._apply(route, x, route.weight, bias)
         elif func is torch.addmm:
-            route = self._route(args[2] if len(args) > 2 else kwargs.get("mat2"))
-            if route is not None and route.spec.transposed and not kwargs.get("out"):
-                if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
-                    bias = args[0] if args else kwargs["input"]
-                    x = args[1] if len(args) > 1 else kwargs["mat1"]
-                    # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
-                    return self._apply(route, x, route.weight.t(), bias, flattened=True)
+            parts = rules.addmm_parts(args, kwargs)
+            route = None if parts is None else self._route(parts[2])
+            if route is not None and route.spec.transposed:
+                # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
+                return self._apply(route, parts[1], route.weight.t(), parts[0], flattened=True)
         return func(*args, **kwargs)
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                flattened: bool = False) -> Tensor:
         """``flattened``: x is Conv1D's batch-major (batch * seq, K) view, for ``adapter_ids``."""
         route.hits += 1
+        weight = _carrier.raw(weight)  # a mode inside a carried call: compute on the weight itself
         if self.ids is not None:
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
@@ -466,13 +463,15 @@ class _WeightWatch:
     are removed on exit.
     """
 
-    def __init__(self, mode: _LoRAMode) -> None:
+    def __init__(self, mode: _LoRAMode, *, hooks: bool = True) -> None:
         self.mode = mode
+        # without hooks only the scope is kept: a carried call's weights count their own uses
+        self.hooks = hooks
         self.handles: list[Any] = []
 
     def __enter__(self) -> _WeightWatch:
         try:
-            for route in self.mode.all_routes():
+            for route in self.mode.all_routes() if self.hooks else ():
                 self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
         except BaseException:
             self._remove()
@@ -500,8 +499,9 @@ class _WeightWatch:
 
 
 def explicit_mode_active() -> bool:
-    """True inside ``functional_call`` (or an ``adapter_mode``): its adapter stands in for others."""
-    return any(isinstance(m, _LoRAMode) and m.explicit for m in _mode_stack())
+    """True inside ``functional_call`` (or an ``adapter_mode``): its adapter stands in for others.
+    An eager call is one of this thread's scopes, with its mode entered or its weights carrying it."""
+    return bool(_scopes()) or any(isinstance(m, _LoRAMode) and m.explicit for m in _mode_stack())
 
 
 def _mode_stack() -> list:
@@ -522,6 +522,8 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.
     (The stateful layer's hooks stay on the model and apply during recomputes by themselves.)
     """
     modes = [m for m in _mode_stack() if isinstance(m, _LoRAMode) and m.explicit]
+    if not modes and _scopes():  # an eager call whose weights carry the adapter: its mode recomputes
+        modes = [_scopes()[-1].mode]
     return contextlib.nullcontext(), (modes[-1] if modes else contextlib.nullcontext())
 
 
@@ -602,8 +604,13 @@ def scoped_call(
     if compiling:
         with mode:  # tracers see the mode alone (no hooks to register inside a graph)
             return run()
-    with mode, _WeightWatch(mode):
-        out = run()
+    if CARRY and _carrier.eligible(model, mode, params) and SHARE_INPUT != "always":
+        # only calls that receive an adapted weight reach Python, not every torch call of the model
+        with _carrier.carried(mode), _WeightWatch(mode, hooks=False):
+            out = run()
+    else:
+        with mode, _WeightWatch(mode):
+            out = run()
     _check_applied(routes)
     return out
 
@@ -637,7 +644,8 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
 
 
 def _check_applied(routes: list[_Route]) -> None:
-    """Raise for modules that ran with their LoRA unapplied; warn for modules that never ran."""
+    """Raise for modules that ran with their LoRA unapplied (a carried weight: whose weight was used
+    only in ways not adapted); warn for modules that never ran."""
     lost = [r for r in routes if r.hits == 0 and r.calls > 0]
     if lost:
         raise ValueError(

@@ -1,0 +1,187 @@
+"""Eager ``functional_call`` without a mode: for the call, each targeted weight carries its adapter.
+
+A ``TorchFunctionMode`` spanning the call sends every torch call of the model through Python,
+~3-5 us each: on a Liger-patched Llama-3.2-1B that is ~3,200 calls and ~10 ms of host time per
+forward on the H100 machine, in a step that is host-bound (bench/diag_host.py, providers
+``pass-mode`` and ``weight-subclass``). Here each targeted weight is swapped, for the call, for a
+``Carrier``: a tensor subclass aliasing the weight's storage, whose ``__torch_function__`` sees
+only the torch calls that receive it. The linear rules (``_rules``) send those through the mode
+object's ``_apply`` (so both interceptions compute the same op); any other call runs on the
+weight as it is.
+
+The swap is an entry in the module's ``_parameters`` (no ``__setattr__``, no hooks), undone when
+the call returns or raises. A use of a carried weight that no rule adapts (``W.data``,
+``W.to(...)``) is counted on its route: a weight used only that way lost its LoRA, an error
+after the call as with the mode (where a per-call hook counts the module's runs instead). Other threads see the carrier too, so it adapts only for the
+threads whose calls installed it: per thread, a stack of (mode, route), innermost last (a nested
+call on the same model adapts with its own adapter, as the inner mode would). Concurrent calls
+share one carrier per weight; the last to leave puts the weight back.
+
+Used where it is exactly the mode's behaviour: eagerly (no tracer, no functorch transform
+active: one grad level is peeled off before, ``_below_grad``), linear routes only (an expert
+LoRA substitutes W + ΔW into any call: the mode's job), no ``adapter_ids``, plain registered
+parameters (no FSDP2 DTensor, no other subclass), no ``params=`` override of a targeted weight,
+no forward pre-hook in the model (one may swap a weight in, as FSDP2 does) and no compiled module
+(dynamo would trace the carrier).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _rules as rules
+from ._modules import LinearSpec
+
+if TYPE_CHECKING:
+    from ._call import _LoRAMode, _Route
+
+_lock = threading.Lock()  # installs and removals of carriers (concurrent calls on one model)
+_PLAIN = (Tensor, nn.Parameter)
+
+
+class _Carries(Tensor):
+    """Common ``__torch_function__`` of a carried weight and of its transposed views."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = rules.linear_parts(args, kwargs)
+            entry = _entry(weight)
+            if entry is not None and not entry[1].spec.transposed:
+                return entry[0]._apply(entry[1], x, weight.raw, bias)
+        elif func in rules.MATMULS and len(args) == 2 and not kwargs:
+            rhs = args[1]
+            if type(rhs) is View:  # x @ W.T of an (N, K) weight
+                entry = _entry(rhs.source)
+                if entry is not None and not entry[1].spec.transposed:
+                    return entry[0]._apply(entry[1], args[0], rhs.source.raw, None)
+            entry = _entry(rhs)
+            if entry is not None and entry[1].spec.transposed:  # x @ W of a Conv1D (K, N) weight
+                return entry[0]._apply(entry[1], args[0], rhs.raw.t(), None)
+        elif func is torch.addmm:
+            parts = rules.addmm_parts(args, kwargs)
+            entry = None if parts is None else _entry(parts[2])
+            if entry is not None and entry[1].spec.transposed:
+                return entry[0]._apply(entry[1], parts[1], parts[2].raw.t(), parts[0], flattened=True)
+        elif (func in rules.TRANSPOSES or func in rules.TRANSPOSE_DIMS) and args and _entry(args[0]) is not None:
+            if args[0].dim() == 2 and rules.reverses(func, args, kwargs):
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                return View.of(out, args[0])
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if isinstance(out, Tensor):  # W.data, W.to(...), W * 2: a use no rule adapts
+            _count_unadapted(args, kwargs)
+        return out
+
+
+def _count_unadapted(args: tuple, kwargs: dict) -> None:
+    """Count a use of each carried weight among ``args`` (one level deep) that no rule adapted:
+    a module whose weight saw only such uses lost its LoRA, which the call reports as an error."""
+    for t in (*args, *kwargs.values()):
+        entry = _entry(t if type(t) is not View else t.source)
+        if entry is not None:
+            entry[1].calls += 1
+
+
+class Carrier(_Carries):
+    """A targeted weight during eager calls: its storage (``raw``, the module's own tensor) and,
+    per thread, the calls that adapt it."""
+
+    raw: Tensor
+    calls: dict[int, list[tuple[_LoRAMode, _Route]]]
+
+    @staticmethod
+    def of(raw: Tensor) -> Carrier:
+        carrier = raw.as_subclass(Carrier)
+        carrier.raw, carrier.calls = raw, {}
+        return carrier
+
+
+class View(_Carries):
+    """A transposed view of a carried weight (``W.T``), for ``x @ W.T``."""
+
+    source: Carrier
+
+    @staticmethod
+    def of(view: Tensor, source: Carrier) -> View:
+        out = view.as_subclass(View)
+        out.source = source
+        return out
+
+
+def _entry(t: Any) -> tuple[_LoRAMode, _Route] | None:
+    """(mode, route) of the innermost call of this thread that adapts ``t``, or None."""
+    if type(t) is not Carrier:
+        return None
+    stack = t.calls.get(threading.get_ident())
+    return stack[-1] if stack else None
+
+
+def raw(t: Any) -> Any:
+    """The module's own tensor behind a carrier or a carrier's transposed view (a mode inside a
+    carried call keys the weight the module holds, the carrier, and computes on its tensor)."""
+    if type(t) is Carrier:
+        return t.raw
+    return t.source.raw.t() if type(t) is View else t
+
+
+def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | None) -> bool:
+    """Whether this eager call may carry its adapter on the weights instead of entering ``mode``."""
+    if mode.ids is not None or mode.params or torch._C._functorch.get_interpreter_stack():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    for route in mode.routes.values():
+        held = route.module._parameters.get(route.name)
+        if held is None or raw(held) is not raw(route.weight) or type(raw(held)) not in _PLAIN:
+            return False
+        if not isinstance(route.spec, LinearSpec) or (params and f"{route.path}.{route.name}" in params):
+            return False
+    if nn.modules.module._global_forward_pre_hooks:
+        return False
+    # a pre-forward hook may swap a weight in (FSDP2 registers its unsharded one; a carrier swapped
+    # out would lose the adapter, which the mode follows); a compiled module would trace a carrier
+    return not any(m._forward_pre_hooks or isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+                   or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+class carried:
+    """Context manager: the routes' weights carry ``mode``'s adapter for this thread."""
+
+    def __init__(self, mode: _LoRAMode) -> None:
+        self.mode = mode
+        self.installed: list[tuple[nn.Module, str, Carrier, tuple]] = []
+
+    def __enter__(self) -> carried:
+        tid = threading.get_ident()
+        with _lock:
+            for route in self.mode.routes.values():
+                held = route.module._parameters[route.name]
+                carrier = held if type(held) is Carrier else Carrier.of(held)
+                entry = (self.mode, route)
+                carrier.calls.setdefault(tid, []).append(entry)
+                route.module._parameters[route.name] = carrier
+                self.installed.append((route.module, route.name, carrier, entry))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        tid = threading.get_ident()
+        with _lock:
+            for module, name, carrier, entry in reversed(self.installed):
+                stack = carrier.calls.get(tid, [])
+                for i in range(len(stack) - 1, -1, -1):  # by identity: a route compares its tensors
+                    if stack[i] is entry:
+                        del stack[i]
+                        break
+                if not stack:
+                    carrier.calls.pop(tid, None)
+                if not carrier.calls and module._parameters.get(name) is carrier:
+                    module._parameters[name] = carrier.raw
+            self.installed.clear()
