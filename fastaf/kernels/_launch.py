@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - older triton: normal launches only
     _knobs = None
 # what triton's own driver uses for the current stream (a raw handle, no Stream object)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# torch.cuda.current_device() less its lazy-init check (a launch follows CUDA tensors: initialised)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _active(hook: Any) -> bool:
@@ -92,7 +94,7 @@ class LaunchSite:
         if not self.fast:
             self.kernel[tuple(grid)](*args, **meta)
             return
-        device = torch.cuda.current_device()
+        device = _current_device()
         # exact int values (finer than Triton's ==1 / %16 / i32-i64 classes, and cheaper to build
         # than a per-argument classification), tensors by dtype and 16-byte alignment
         key = (device, meta_key, args[self.n_ptr:self.n_int_end],

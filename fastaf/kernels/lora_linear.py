@@ -198,16 +198,18 @@ def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict], b_dtype: torc
 
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
-           *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None,
+           plan: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
-    backward zero dh and da with one memset).
+    backward zero dh and da with one memset). ``plan``: ``_bwd_dy_plan``'s, when the caller has it.
     """
     M, N = dy.shape
     R = b.shape[1]
     dev = dy.device
-    grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = _bwd_dy_plan(dy, R, config, b.dtype)
+    plan = _bwd_dy_plan(dy, R, config, b.dtype) if plan is None else plan
+    grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = plan
     b_dtype = b.dtype  # db comes back in it
     if not b_fits:  # an fp32 b's tiles fit no config at this rank: read it in dy's dtype
         b = b.to(dy.dtype)
@@ -226,7 +228,7 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
         float(scale),
     ), meta, meta_key)
     if not partials:
-        return dh, db_buf.to(b_dtype)
+        return dh, db_buf if b_dtype == torch.float32 else db_buf.to(b_dtype)
     db = torch.empty((N, R), device=dev, dtype=b_dtype)
     _SITES["bwd_db"]((triton.cdiv(N * R, db_meta["BLOCK"]),), (db_buf, db, N * R, partials, float(scale)),
                      db_meta, db_meta_key)
@@ -249,15 +251,18 @@ def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[di
 
 
 def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
-           *, config: Optional[dict] = None, da: Optional[torch.Tensor] = None) -> torch.Tensor:
+           *, config: Optional[dict] = None, da: Optional[torch.Tensor] = None,
+           plan: Optional[tuple] = None) -> torch.Tensor:
     """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous fp32 (M, R), x (M, K).
 
-    ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller.
+    ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller. ``plan``:
+    ``_bwd_da_plan``'s, when the caller has it.
     """
     M, K = x.shape
     R = dh.shape[1]
     has_dropout = dropout_p > 0
-    grid, split, tma, meta, meta_key = _bwd_da_plan(x, R, has_dropout, config)
+    plan = _bwd_da_plan(x, R, has_dropout, config) if plan is None else plan
+    grid, split, tma, meta, meta_key = plan
     if da is None:
         da = (torch.empty if split == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
     if tma and x.is_cuda:
@@ -371,17 +376,18 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
             else:
                 dx.addmm_(dh, a)
         return dx, da, db
-    # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both
-    split_n = _bwd_dy_plan(dy, R, None, b.dtype)[2]
-    split_m = _bwd_da_plan(x, R, dropout_p > 0, None)[1]
-    work = (torch.zeros if split_n > 1 or split_m > 1 else torch.empty)(
+    # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both.
+    # The plans are made once here and handed down (each lookup is host time at launch-bound M).
+    dy_plan = _bwd_dy_plan(dy, R, None, b.dtype)
+    da_plan = _bwd_da_plan(x, R, dropout_p > 0, None)
+    work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 else torch.empty)(
         M * R + R * K, device=x.device, dtype=torch.float32)
     # da first: with fp32 factors it is returned as it is, and a custom op's output must start
     # its storage (its fake says so; Inductor asserts 16-byte alignment of it)
-    dh, db = bwd_dy(dy, b, h, scale, dh=work[R * K:].view(M, R))  # fp32 (M, R), (N, R) in b's dtype
-    da = bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K))  # fp32 (R, K)
+    dh, db = bwd_dy(dy, b, h, scale, dh=work[R * K:].view(M, R), plan=dy_plan)  # fp32 (M, R), (N, R) in b's dtype
+    da = bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
-    return dx, da.to(a.dtype), db
+    return dx, da if a.dtype == torch.float32 else da.to(a.dtype), db
 
 
 # ---- projections that share one input (q/k/v, gate/up): h and dA in one pass over x each ----
