@@ -48,7 +48,7 @@ from . import _carrier
 from . import _rules as rules
 from ._below_grad import call_below, grad_level
 from ._lora_linear import lora_linear
-from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec
+from ._modules import LinearSpec, ParamSpec, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
 
@@ -123,7 +123,7 @@ class _LoRAMode(TorchFunctionMode):
     def __enter__(self) -> _LoRAMode:
         # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
         # activation-checkpointing recompute, which must make (and save) its own.
-        for route in self.params.values():
+        for route in self.all_routes():
             route.merged = None
         self.shared = None  # likewise the siblings' h: a recompute's x is a new tensor
         return super().__enter__()
@@ -145,35 +145,30 @@ class _LoRAMode(TorchFunctionMode):
         route = routes.get(id(weight))
         return route if route is not None and route.weight is weight else None
 
-    def _merged(self, t: Any) -> Any:
-        """``t``, or W + ΔW when ``t`` is a routed parameter (made once per call)."""
-        route = self._route(t, self.params) if isinstance(t, Tensor) else None
-        if route is None:
-            return t
+    def folded(self, route: _Route, use: Any) -> Tensor:
+        """``route``'s W + ΔW, made once per entry of the mode (or per carried call): an expert
+        LoRA's at every use, a linear layer's at a use no fused rule takes (``use``, warned once)."""
         if route.merged is None:
-            route.merged = fold_param(route.weight, route.lora, route.spec)
+            weight = _carrier.raw(route.weight)
+            if isinstance(route.spec, ParamSpec):
+                route.merged = fold_param(weight, route.lora, route.spec)
+            else:
+                _check_foldable(route, use)
+                route.merged = fold_linear(weight, route.lora, route.spec)
         route.hits += 1
         return route.merged
 
-    def _is_param(self, t: Any) -> bool:
-        return isinstance(t, Tensor) and self._route(t, self.params) is not None
+    def _folded_param(self, t: Tensor) -> Tensor | None:
+        route = self._route(t, self.params)
+        return None if route is None else self.folded(route, None)
 
-    def _substitute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """args / kwargs with every routed parameter (also one list or tuple deep) replaced by its
-        W + ΔW, or None when no argument is one."""
-        def holds(a: Any) -> bool:
-            return self._is_param(a) or (isinstance(a, (list, tuple)) and any(self._is_param(t) for t in a))
-
-        if not any(holds(a) for a in args) and not any(holds(v) for v in kwargs.values()):
-            return None
-
-        def sub(a: Any) -> Any:
-            if isinstance(a, (list, tuple)) and holds(a):
-                merged = [self._merged(t) for t in a]
-                return merged if isinstance(a, list) else tuple(merged)
-            return self._merged(a)
-
-        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+    def _folded_linear(self, t: Tensor, use: Any) -> Tensor | None:
+        """W + ΔW for a routed linear weight ``t``, (W + ΔW).T for a transposed view of one."""
+        route = self._route(t)
+        if route is not None:
+            return self.folded(route, use)
+        route = self._view(t)
+        return None if route is None else self.folded(route, use).t()
 
     def _view(self, t: Any) -> _Route | None:
         """The route whose weight ``t`` is a transposed view of (made during this call), or None."""
@@ -198,7 +193,7 @@ class _LoRAMode(TorchFunctionMode):
         if self.shared is not None and func in _IN_PLACE and args and args[0] is self.shared[0]:
             self.shared = None  # the siblings' input changes: their h no longer holds
         if self.params and func not in _METADATA:
-            swapped = self._substitute(args, kwargs)
+            swapped = rules.substitute(args, kwargs, self._folded_param)
             if swapped is not None:
                 return func(*swapped[0], **swapped[1])
         if func in rules.TRANSPOSES or func in rules.TRANSPOSE_DIMS:
@@ -222,7 +217,15 @@ class _LoRAMode(TorchFunctionMode):
             if route is not None and route.spec.transposed:
                 # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
                 return self._apply(route, parts[1], route.weight.t(), parts[0], flattened=True)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not torch.compiler.is_compiling() and self.routes and isinstance(out, Tensor) and rules.foldable(func):
+            # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact.
+            # Eagerly only: traced, the scan would run over every op of the model at compile time
+            # (and reading self.routes first made dynamo guard the dict FSDP2's hook then grows).
+            swapped = rules.substitute(args, kwargs, lambda t: self._folded_linear(t, func))
+            if swapped is not None:
+                return func(*swapped[0], **swapped[1])
+        return out
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                flattened: bool = False) -> Tensor:
@@ -264,6 +267,28 @@ class _LoRAMode(TorchFunctionMode):
         hs = shared_h(x, loras, impl=self.impl)
         self.shared = (x, version, {r.path: h for r, h in zip(group, hs)}, {route.path})
         return hs[0]
+
+
+_warned_folds: set[tuple[str, str]] = set()
+
+
+def _check_foldable(route: _Route, use: Any) -> None:
+    """A linear weight's use with no fused rule computes with W + ΔW: exact without LoRA dropout
+    (which applies to the LoRA path's input, not to a weight); warned once per path and use."""
+    name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
+    if route.module.training and route.lora.dropout:
+        raise ValueError(
+            f"{route.path} ({type(route.module).__name__}) uses its weight through {name}, which no fused "
+            f"LoRA rule takes, so fastaf would compute with W + scale·B@A; LoRA dropout "
+            f"({route.lora.dropout}) cannot apply to a merged weight: use dropout 0 for this module, or eval()"
+        )
+    if (route.path, name) not in _warned_folds:
+        _warned_folds.add((route.path, name))
+        warnings.warn(
+            f"fastaf: {route.path} ({type(route.module).__name__}) uses its weight through {name}, which no "
+            "fused LoRA rule takes: it computes with W + scale·B@A materialised (exact, slower)",
+            stacklevel=4,
+        )
 
 
 def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:

@@ -7,13 +7,15 @@ forward on the H100 machine, in a step that is host-bound (bench/diag_host.py, p
 ``Carrier``: a tensor subclass aliasing the weight's storage, whose ``__torch_function__`` sees
 only the torch calls that receive it. The linear rules (``_rules``) send those through the mode
 object's ``_apply`` (so both interceptions compute the same op); any other call runs on the
-weight as it is.
+weight as it is, or, where it returns a tensor, again on W + ΔW (``_LoRAMode.folded``: exact,
+slower, warned once).
 
 The swap is an entry in the module's ``_parameters`` (no ``__setattr__``, no hooks), undone when
-the call returns or raises. A use of a carried weight that no rule adapts (``W.data``,
-``W.to(...)``) is counted on its route: a weight used only that way lost its LoRA, an error
-after the call as with the mode (where a per-call hook counts the module's runs instead). Other threads see the carrier too, so it adapts only for the
-threads whose calls installed it: per thread, a stack of (mode, route), innermost last (a nested
+the call returns or raises. A detaching use of a carried weight (``W.data``, ``W.detach()``) is
+counted on its route: a weight used only that way lost its LoRA (no gradient reaches A and B), an
+error after the call as with the mode (where a per-call hook counts the module's runs instead).
+
+Other threads see the carrier too, so it adapts only for the threads whose calls installed it: per thread, a stack of (mode, route), innermost last (a nested
 call on the same model adapts with its own adapter, as the inner mode would). Concurrent calls
 share one carrier per weight; the last to leave puts the weight back.
 
@@ -76,9 +78,26 @@ class _Carries(Tensor):
                 return View.of(out, args[0])
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if isinstance(out, Tensor):  # W.data, W.to(...), W * 2: a use no rule adapts
+        if not isinstance(out, Tensor):  # metadata: W.shape, W.dtype, W.dim()
+            return out
+        if not rules.foldable(func):  # W.detach(), W.data: no gradient could reach A and B
             _count_unadapted(args, kwargs)
-        return out
+            return out
+        # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact
+        swapped = rules.substitute(args, kwargs, lambda t: _folded(t, func))
+        if swapped is None:
+            return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*swapped[0], **swapped[1])
+
+
+def _folded(t: Tensor, use: Any) -> Tensor | None:
+    """W + ΔW for a carried weight of this thread's call, (W + ΔW).T for a view of one, else None."""
+    entry = _entry(t.source if type(t) is View else t)
+    if entry is None:
+        return None
+    merged = entry[0].folded(entry[1], use)
+    return merged.t() if type(t) is View else merged
 
 
 def _count_unadapted(args: tuple, kwargs: dict) -> None:

@@ -81,6 +81,15 @@ def fold_param(weight: torch.Tensor, lora: LoRA, spec: ParamSpec) -> torch.Tenso
     return torch.baddbmm(weight, B, A, alpha=lora.scale)
 
 
+def fold_linear(weight: torch.Tensor, lora: LoRA, spec: LinearSpec) -> torch.Tensor:
+    """``weight + scale·B@A`` of a linear layer, in weight's dtype and layout (an (in, out) Conv1D
+    weight gets (B@A)ᵀ = Aᵀ@Bᵀ), in one addmm. A new tensor, differentiable in A and B."""
+    A, B = lora.A.to(weight.dtype), lora.B.to(weight.dtype)  # (r, in), (out, r)
+    if spec.transposed:
+        return torch.addmm(weight, A.T, B.T, alpha=lora.scale)
+    return torch.addmm(weight, B, A, alpha=lora.scale)
+
+
 def target_spec(modules: Mapping[str, nn.Module], key: str) -> LinearSpec | ParamSpec | None:
     """How adapter key ``key`` sits on the model whose ``named_modules()`` are ``modules``: a
     linear module's LinearSpec, a parameter's ParamSpec, or None when it is neither."""

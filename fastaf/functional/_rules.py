@@ -15,6 +15,10 @@ _TensorBase = torch._C.TensorBase
 TRANSPOSES = {_TensorBase.T.__get__, _TensorBase.mT.__get__, _TensorBase.t, torch.t}
 TRANSPOSE_DIMS = {_TensorBase.transpose, torch.transpose}
 MATMULS = {_TensorBase.matmul, torch.matmul}  # x @ y reaches a mode as Tensor.matmul
+# uses of a weight that W + ΔW must not stand in for: a detached weight carries no gradient to
+# A and B (it stays unadapted, which the call reports), and metadata reads need no fold
+NO_FOLD = frozenset({_TensorBase.data.__get__, _TensorBase.detach, torch.detach, _TensorBase.detach_,
+                     _TensorBase.size, _TensorBase.stride, _TensorBase.data_ptr, _TensorBase.untyped_storage})
 
 
 def swaps(args: tuple, kwargs: dict) -> bool:
@@ -43,3 +47,36 @@ def linear_parts(args: tuple, kwargs: dict):
     weight = args[1] if len(args) > 1 else kwargs.get("weight")
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     return x, weight, bias
+
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def foldable(func) -> bool:
+    """Whether W + ΔW may stand in for a weight in ``func``: a use in the model's own code, not a
+    metadata read, a detach, or an op of a graph (``torch.ops.*``: a compiled graph run eagerly
+    under the mode calls fastaf's own ops with the weight, already adapted)."""
+    return func not in NO_FOLD and not isinstance(func, _OPS)
+
+
+def substitute(args: tuple, kwargs: dict, replace) -> tuple[tuple, dict] | None:
+    """``args`` / ``kwargs`` with each tensor ``t`` (also one list or tuple deep) for which
+    ``replace(t)`` is not None replaced by it; None when ``replace`` replaced nothing."""
+    def one(t):
+        return replace(t) if isinstance(t, torch.Tensor) else None
+
+    def sub(a):
+        if type(a) in (list, tuple):
+            new = [one(t) for t in a]
+            if all(n is None for n in new):
+                return None
+            items = [o if n is None else n for n, o in zip(new, a)]
+            return items if type(a) is list else tuple(items)
+        return one(a)
+
+    new_args = [sub(a) for a in args]
+    new_kwargs = {k: sub(v) for k, v in kwargs.items()}
+    if all(n is None for n in new_args) and all(n is None for n in new_kwargs.values()):
+        return None
+    return (tuple(a if n is None else n for n, a in zip(new_args, args)),
+            {k: kwargs[k] if n is None else n for k, n in new_kwargs.items()})

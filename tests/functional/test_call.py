@@ -5,8 +5,11 @@ import warnings
 import peft
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from transformers.pytorch_utils import Conv1D
 
 import fastaf as fa
+from fastaf.functional import _call
 from tests._models import ARCHS, MODELS, VOCAB, logits, random_adapter, tiny_llama, token_batch
 from tests._peft import peft_grads, peft_model_with
 from tests._tolerances import rel_err
@@ -245,16 +248,30 @@ def test_gradient_checkpointing_with_checkpoint_context():
 
 
 class _EinsumLinear(torch.nn.Linear):
-    """A linear layer whose forward reaches its weight through einsum: no rule adapts that."""
+    """A linear layer whose forward reaches its weight through einsum: no fused rule takes that."""
 
     def forward(self, x):
         return torch.einsum("...k,nk->...n", x, self.weight) + self.bias
 
 
+def _einsum_conv1d(nf: int, nx: int) -> Conv1D:
+    """GPT-2's Conv1D layout, (in, out), reached through einsum (its class must stay Conv1D)."""
+    conv = Conv1D(nf, nx)
+    conv.forward = lambda x: torch.einsum("...k,kn->...n", x, conv.weight) + conv.bias
+    return conv
+
+
+class _DetachedLinear(torch.nn.Linear):
+    """A linear layer that detaches its weight: no gradient could reach a LoRA's factors."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.detach(), self.bias)
+
+
 class _Tiny(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, inner: torch.nn.Module | None = None):
         super().__init__()
-        self.inner = _EinsumLinear(6, 5)
+        self.inner = _EinsumLinear(6, 5) if inner is None else inner
         self.plain = torch.nn.Linear(5, 4)
         self.unused = torch.nn.Linear(5, 4)
 
@@ -262,12 +279,47 @@ class _Tiny(torch.nn.Module):
         return self.plain(self.inner(x))
 
 
-def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs_a_warning():
-    model = _Tiny()
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+@pytest.mark.parametrize("inner", ["linear", "conv1d"])
+def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, inner, monkeypatch):
+    monkeypatch.setattr(_call, "CARRY", carry)
+    model = _Tiny(_EinsumLinear(6, 5) if inner == "linear" else _einsum_conv1d(5, 6))
+    x = torch.randn(3, 6)
+    ad = random_adapter(model, ["inner", "plain"])
+    leaves, spec = pytree.tree_flatten(ad)
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    _call._warned_folds.clear()
+    with pytest.warns(UserWarning, match=r"inner \(\w+\) uses its weight through einsum.*exact"):
+        got = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per path and use
+        fa.functional_call(model, ad, (x,))
+    want = fa.functional_call(model, None, (x,), params=fa.merge_into(model, pytree.tree_unflatten(leaves, spec)))
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    want_grads = torch.autograd.grad(want.square().sum(), leaves)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+def test_a_use_no_rule_fuses_under_lora_dropout_is_a_clear_error(carry, monkeypatch):
+    monkeypatch.setattr(_call, "CARRY", carry)
+    model = _Tiny().train()
+    ad = random_adapter(model, ["inner"], dropout=0.1)
+    with pytest.raises(ValueError, match=r"inner \(_EinsumLinear\) uses its weight through einsum.*dropout"):
+        fa.functional_call(model, ad, (torch.randn(3, 6),))
+    assert type(model.inner.weight) is torch.nn.Parameter
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs_a_warning(carry, monkeypatch):
+    monkeypatch.setattr(_call, "CARRY", carry)
+    model = _Tiny(_DetachedLinear(6, 5))
     snap = snapshot(model)
     x = torch.randn(3, 6)
     ad = random_adapter(model, ["inner", "plain"])
-    with pytest.raises(ValueError, match=r"inner \(_EinsumLinear\) ran 1 time\(s\).*silently lost"):
+    with pytest.raises(ValueError, match=r"inner \(_DetachedLinear\) ran 1 time\(s\).*silently lost"):
         fa.functional_call(model, ad, (x,))
     assert_unchanged(model, snap)  # the counting hooks are gone
     with pytest.warns(UserWarning, match=r"did not run.*\['unused'\]"):
