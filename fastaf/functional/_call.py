@@ -77,7 +77,9 @@ class _Route:
     name: str = "weight"  # the weight's attribute on ``module``
     hits: int = 0  # uses of the weight sent through lora_linear (or substituted)
     calls: int = 0  # calls of the module (counted by eager functional_call's hooks)
-    merged: Tensor | None = None  # (ParamSpec) W + ΔW, made at its first use in the call
+    merged: Tensor | None = None  # W + ΔW, made at its first use that needs it in the call
+    tied: bool = False  # the weight is also another (non-linear) module's: an embedding's
+    gradless: int = 0  # adapted uses with grad off inside a call with grad on: none reaches A, B
     # candidate siblings sharing this layer's input (this route included); () when it has none
     siblings: tuple[_Route, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
@@ -111,6 +113,7 @@ class _LoRAMode(TorchFunctionMode):
         self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
         self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
         self.impl = impl
+        self.grad = torch.is_grad_enabled()  # the call's grad mode (a fold made without grad: folded)
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
         self.ids = ids  # adapter_ids: the LoRAs are stacked and example i uses slot ids[i]
         # transposed views of routed weights made during the call: id -> (route, view); the view
@@ -148,15 +151,38 @@ class _LoRAMode(TorchFunctionMode):
     def folded(self, route: _Route, use: Any) -> Tensor:
         """``route``'s W + ΔW, made once per entry of the mode (or per carried call): an expert
         LoRA's at every use, a linear layer's at a use no fused rule takes (``use``, warned once)."""
+        weight, lora = _carrier.raw(route.weight), route.lora
+        if route.merged is None and isinstance(route.spec, LinearSpec) and not torch.is_grad_enabled() \
+                and (lora.A.requires_grad or lora.B.requires_grad):
+            # Grad is off here but the factors want one (a no_grad block, a custom Function's
+            # forward): exact values without a gradient, not kept for later uses.
+            _check_foldable(route, use)
+            if self._gradless(route):
+                route.gradless += 1
+            else:
+                route.hits += 1
+            return fold_linear(weight, lora, route.spec)
         if route.merged is None:
-            weight = _carrier.raw(route.weight)
             if isinstance(route.spec, ParamSpec):
-                route.merged = fold_param(weight, route.lora, route.spec)
+                route.merged = fold_param(weight, lora, route.spec)
             else:
                 _check_foldable(route, use)
-                route.merged = fold_linear(weight, route.lora, route.spec)
+                route.merged = fold_linear(weight, lora, route.spec)
         route.hits += 1
         return route.merged
+
+    def _gradless(self, route: _Route) -> bool:
+        """A use that adapts the value but passes no gradient to factors that want one: grad is
+        off here (a no_grad block, a custom Function's forward) though the call runs with it. It
+        does not count as adapting: a module whose weight met only such uses lost its LoRA's
+        gradient, which the call reports."""
+        lora = route.lora
+        return self.grad and not torch.is_grad_enabled() and (lora.A.requires_grad or lora.B.requires_grad)
+
+    def folds(self, route: _Route) -> bool:
+        """Whether a linear route's use no rule takes may compute with W + ΔW: not for a weight tied
+        to another module (an embedding reads lm_head's weight: PEFT adapts lm_head alone)."""
+        return not route.tied
 
     def _folded_param(self, t: Tensor) -> Tensor | None:
         route = self._route(t, self.params)
@@ -164,11 +190,13 @@ class _LoRAMode(TorchFunctionMode):
 
     def _folded_linear(self, t: Tensor, use: Any) -> Tensor | None:
         """W + ΔW for a routed linear weight ``t``, (W + ΔW).T for a transposed view of one."""
-        route = self._route(t)
-        if route is not None:
-            return self.folded(route, use)
-        route = self._view(t)
-        return None if route is None else self.folded(route, use).t()
+        route, view = self._route(t), False
+        if route is None:
+            route, view = self._view(t), True
+        if route is None or not self.folds(route):
+            return None
+        merged = self.folded(route, use)
+        return merged.t() if view else merged
 
     def _view(self, t: Any) -> _Route | None:
         """The route whose weight ``t`` is a transposed view of (made during this call), or None."""
@@ -218,7 +246,8 @@ class _LoRAMode(TorchFunctionMode):
                 # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
                 return self._apply(route, parts[1], route.weight.t(), parts[0], flattened=True)
         out = func(*args, **kwargs)
-        if not torch.compiler.is_compiling() and self.routes and isinstance(out, Tensor) and rules.foldable(func):
+        if (not torch.compiler.is_compiling() and self.routes and isinstance(out, Tensor)
+                and rules.foldable(func, args, out)):
             # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact.
             # Eagerly only: traced, the scan would run over every op of the model at compile time
             # (and reading self.routes first made dynamo guard the dict FSDP2's hook then grows).
@@ -230,7 +259,10 @@ class _LoRAMode(TorchFunctionMode):
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                flattened: bool = False) -> Tensor:
         """``flattened``: x is Conv1D's batch-major (batch * seq, K) view, for ``adapter_ids``."""
-        route.hits += 1
+        if self._gradless(route):
+            route.gradless += 1  # run inside a custom Function's forward, say: no gradient leaves
+        else:
+            route.hits += 1
         weight = _carrier.raw(weight)  # a mode inside a carried call: compute on the weight itself
         if self.ids is not None:
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
@@ -409,11 +441,13 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
     if check:
         for path, module in modules.items():
             route = routes.get(id(getattr(module, "weight", None)))
-            if route is not None and route.module is not module and linear_spec(module):
-                raise ValueError(
-                    f"{route.path} is adapted but its weight is tied to {path}, which would "
-                    "get the same LoRA; adapt both or neither"
-                )
+            if route is not None and route.module is not module:
+                if linear_spec(module):
+                    raise ValueError(
+                        f"{route.path} is adapted but its weight is tied to {path}, which would "
+                        "get the same LoRA; adapt both or neither"
+                    )
+                route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes
 
 
@@ -670,14 +704,25 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
 
 def _check_applied(routes: list[_Route]) -> None:
     """Raise for modules that ran with their LoRA unapplied (a carried weight: whose weight was used
-    only in ways not adapted); warn for modules that never ran."""
+    only in ways not adapted), or applied only where no gradient reaches it; warn for modules that
+    never ran."""
+    lost = [r for r in routes if r.hits == 0 and r.gradless > 0]
+    if lost:
+        raise ValueError(
+            "fastaf.functional_call: "
+            + "; ".join(f"{r.path} ({type(r.module).__name__}) used its weight {r.gradless} time(s)" for r in lost[:5])
+            + " only with grad disabled inside a call that runs with grad (a custom autograd.Function's forward, "
+            "a no_grad block): the output is adapted but no gradient reaches its LoRA's factors, which would be "
+            "silently lost. Differentiate through the weight's use, or call under torch.no_grad() throughout"
+        )
     lost = [r for r in routes if r.hits == 0 and r.calls > 0]
     if lost:
         raise ValueError(
             "fastaf.functional_call: "
             + "; ".join(f"{r.path} ({type(r.module).__name__}) ran {r.calls} time(s)" for r in lost[:5])
             + ", but used its weight in a way fastaf does not adapt (it adapts F.linear, torch.addmm "
-            "and x @ weight.T; a targeted parameter, any torch call on it), or not at all; its LoRA would be "
+            "and x @ weight.T, and any other use of its values through W + scale·B@A; a targeted parameter, "
+            "any torch call on it), or only detached (W.detach(), W.data), or not at all; its LoRA would be "
             "silently lost. Merge it instead: "
             "fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))"
         )

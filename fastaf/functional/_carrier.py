@@ -22,7 +22,8 @@ share one carrier per weight; the last to leave puts the weight back.
 Used where it is exactly the mode's behaviour: eagerly (no tracer, no functorch transform
 active: one grad level is peeled off before, ``_below_grad``), linear routes only (an expert
 LoRA substitutes W + ΔW into any call: the mode's job), no ``adapter_ids``, plain registered
-parameters (no FSDP2 DTensor, no other subclass), no ``params=`` override of a targeted weight,
+parameters (no FSDP2 DTensor, no other subclass), no ``params=`` (torch.func's swap ties weights by
+identity, which a carrier hides),
 no forward pre-hook in the model (one may swap a weight in, as FSDP2 does) and no compiled module
 (dynamo would trace the carrier).
 """
@@ -78,10 +79,12 @@ class _Carries(Tensor):
                 return View.of(out, args[0])
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if not isinstance(out, Tensor):  # metadata: W.shape, W.dtype, W.dim()
+        if not isinstance(out, Tensor) or func in rules.VALUE_FREE:  # W.shape, W.dtype, empty_like(W)
             return out
-        if not rules.foldable(func):  # W.detach(), W.data: no gradient could reach A and B
+        if func in rules.DETACHING:  # W.detach(), W.data: no gradient could reach A and B
             _count_unadapted(args, kwargs)
+            return out
+        if not rules.foldable(func, args, out):  # W.to(W.dtype): still the carrier, for the rules next
             return out
         # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact
         swapped = rules.substitute(args, kwargs, lambda t: _folded(t, func))
@@ -95,6 +98,9 @@ def _folded(t: Tensor, use: Any) -> Tensor | None:
     """W + ΔW for a carried weight of this thread's call, (W + ΔW).T for a view of one, else None."""
     entry = _entry(t.source if type(t) is View else t)
     if entry is None:
+        return None
+    if not entry[0].folds(entry[1]):  # a tied weight: stays unadapted, reported if that was all
+        entry[1].calls += 1
         return None
     merged = entry[0].folded(entry[1], use)
     return merged.t() if type(t) is View else merged
@@ -153,7 +159,8 @@ def raw(t: Any) -> Any:
 
 def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | None) -> bool:
     """Whether this eager call may carry its adapter on the weights instead of entering ``mode``."""
-    if mode.ids is not None or mode.params or torch._C._functorch.get_interpreter_stack():
+    # params=: torch.func.functional_call finds tied weights by identity, which a carrier hides
+    if params or mode.ids is not None or mode.params or torch._C._functorch.get_interpreter_stack():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
@@ -161,7 +168,7 @@ def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | N
         held = route.module._parameters.get(route.name)
         if held is None or raw(held) is not raw(route.weight) or type(raw(held)) not in _PLAIN:
             return False
-        if not isinstance(route.spec, LinearSpec) or (params and f"{route.path}.{route.name}" in params):
+        if not isinstance(route.spec, LinearSpec):
             return False
     if nn.modules.module._global_forward_pre_hooks:
         return False
@@ -181,26 +188,33 @@ class carried:
     def __enter__(self) -> carried:
         tid = threading.get_ident()
         with _lock:
-            for route in self.mode.routes.values():
-                held = route.module._parameters[route.name]
-                carrier = held if type(held) is Carrier else Carrier.of(held)
-                entry = (self.mode, route)
-                carrier.calls.setdefault(tid, []).append(entry)
-                route.module._parameters[route.name] = carrier
-                self.installed.append((route.module, route.name, carrier, entry))
+            try:
+                for route in self.mode.routes.values():
+                    held = route.module._parameters[route.name]
+                    carrier = held if type(held) is Carrier else Carrier.of(held)
+                    entry = (self.mode, route)
+                    carrier.calls.setdefault(tid, []).append(entry)
+                    self.installed.append((route.module, route.name, carrier, entry))
+                    route.module._parameters[route.name] = carrier
+            except BaseException:  # an interrupt mid-install: nothing stays swapped
+                self._remove(tid)
+                raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        tid = threading.get_ident()
         with _lock:
-            for module, name, carrier, entry in reversed(self.installed):
-                stack = carrier.calls.get(tid, [])
-                for i in range(len(stack) - 1, -1, -1):  # by identity: a route compares its tensors
-                    if stack[i] is entry:
-                        del stack[i]
-                        break
-                if not stack:
-                    carrier.calls.pop(tid, None)
-                if not carrier.calls and module._parameters.get(name) is carrier:
-                    module._parameters[name] = carrier.raw
-            self.installed.clear()
+            self._remove(threading.get_ident())
+
+    def _remove(self, tid: int) -> None:
+        """Take this call's entries off its carriers (the lock held); put back a weight no call carries."""
+        for module, name, carrier, entry in reversed(self.installed):
+            stack = carrier.calls.get(tid, [])
+            for i in range(len(stack) - 1, -1, -1):  # by identity: a route compares its tensors
+                if stack[i] is entry:
+                    del stack[i]
+                    break
+            if not stack:
+                carrier.calls.pop(tid, None)
+            if not carrier.calls and module._parameters.get(name) is carrier:
+                module._parameters[name] = carrier.raw
+        self.installed.clear()

@@ -15,10 +15,17 @@ _TensorBase = torch._C.TensorBase
 TRANSPOSES = {_TensorBase.T.__get__, _TensorBase.mT.__get__, _TensorBase.t, torch.t}
 TRANSPOSE_DIMS = {_TensorBase.transpose, torch.transpose}
 MATMULS = {_TensorBase.matmul, torch.matmul}  # x @ y reaches a mode as Tensor.matmul
-# uses of a weight that W + ΔW must not stand in for: a detached weight carries no gradient to
-# A and B (it stays unadapted, which the call reports), and metadata reads need no fold
-NO_FOLD = frozenset({_TensorBase.data.__get__, _TensorBase.detach, torch.detach, _TensorBase.detach_,
-                     _TensorBase.size, _TensorBase.stride, _TensorBase.data_ptr, _TensorBase.untyped_storage})
+# uses that detach a weight: W + ΔW must not stand in (no gradient could reach A and B); the
+# weight stays unadapted there, which the call reports when that was its only use
+DETACHING = frozenset({_TensorBase.data.__get__, _TensorBase.detach, torch.detach, _TensorBase.detach_})
+# uses that read only a weight's shape, dtype or device (metadata, factories "like" it): no fold,
+# and they are not uses of its values either
+VALUE_FREE = frozenset({
+    _TensorBase.size, _TensorBase.stride, _TensorBase.data_ptr, _TensorBase.untyped_storage,
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, _TensorBase.new_empty, _TensorBase.new_zeros, _TensorBase.new_ones,
+    _TensorBase.new_full, _TensorBase.new_empty_strided, _TensorBase.new_tensor,
+})
 
 
 def swaps(args: tuple, kwargs: dict) -> bool:
@@ -52,11 +59,16 @@ def linear_parts(args: tuple, kwargs: dict):
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
-def foldable(func) -> bool:
-    """Whether W + ΔW may stand in for a weight in ``func``: a use in the model's own code, not a
-    metadata read, a detach, or an op of a graph (``torch.ops.*``: a compiled graph run eagerly
-    under the mode calls fastaf's own ops with the weight, already adapted)."""
-    return func not in NO_FOLD and not isinstance(func, _OPS)
+def foldable(func, args: tuple, out) -> bool:
+    """Whether W + ΔW may stand in for a weight in ``func(*args) -> out``: a use of its values in
+    the model's own code. Not a detach or a value-free read (``DETACHING``, ``VALUE_FREE``), not
+    a call that returns its argument itself (``W.to(W.dtype)``, ``.contiguous()``, an in-place
+    op: the weight stays the weight, which the rules meet next), not an op of a graph
+    (``torch.ops.*``: a compiled graph run eagerly under the mode calls fastaf's own ops with
+    the weight, already adapted)."""
+    if func in DETACHING or func in VALUE_FREE or isinstance(func, _OPS):
+        return False
+    return not any(out is a for a in args)
 
 
 def substitute(args: tuple, kwargs: dict, replace) -> tuple[tuple, dict] | None:

@@ -4,6 +4,7 @@ left as it was, threads and nested calls apart, and the mode kept where only it 
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -167,3 +168,137 @@ def test_conv1d_weights_carry_their_adapter_through_addmm():
         got = fa.functional_call(model, adapter, (ids,)).logits
         merged = fa.functional_call(model, None, (ids,), params=fa.merge_into(model, adapter)).logits
     torch.testing.assert_close(got, merged, rtol=1e-5, atol=1e-5)
+
+
+def _tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, attn_implementation="eager", tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+def test_a_targeted_lm_head_tied_to_the_embedding_adapts_the_head_alone(carry, monkeypatch):
+    """As PEFT does: the embedding reads the tied weight unadapted, also where a use no rule
+    fuses would fold W + ΔW (F.embedding), also under LoRA dropout; params= follows the tie."""
+    monkeypatch.setattr(_call, "CARRY", carry)
+    model = _tied_llama()
+    ad = random_adapter(model, ["lm_head"])
+    ids = token_batch()
+    E = model.model.embed_tokens.weight
+    with torch.no_grad():
+        head = fa.merge_into({"lm_head.weight": E}, ad, model=model)["lm_head.weight"]
+        want = torch.func.functional_call(model, {"model.embed_tokens.weight": E, "lm_head.weight": head}, (ids,),
+                                          tie_weights=False).logits
+        torch.testing.assert_close(fa.functional_call(model, ad, (ids,)).logits, want)
+        new_e = torch.randn_like(E)
+        got = fa.functional_call(model, ad, (ids,), params={"model.embed_tokens.weight": new_e}).logits
+        new_head = fa.merge_into({"lm_head.weight": new_e}, ad, model=model)["lm_head.weight"]
+        want = torch.func.functional_call(model, {"model.embed_tokens.weight": new_e, "lm_head.weight": new_head},
+                                          (ids,), tie_weights=False).logits
+        torch.testing.assert_close(got, want)
+    model.train()
+    fa.functional_call(model, random_adapter(model, ["lm_head"], dropout=0.1), (ids,))  # no fold, no error
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_an_interrupt_while_carriers_are_installed_leaves_the_model_plain(monkeypatch):
+    model = tiny_llama()
+    adapter = random_adapter(model, ["q_proj", "v_proj"])
+    ids = token_batch()
+    with torch.no_grad():
+        plain = model(ids).logits
+    real_of, count = _carrier.Carrier.of, {"n": 0}
+
+    def interrupted_of(raw):
+        count["n"] += 1
+        if count["n"] == 3:  # mid-install: two weights already swapped
+            raise KeyboardInterrupt
+        return real_of(raw)
+
+    monkeypatch.setattr(_carrier.Carrier, "of", staticmethod(interrupted_of))
+    with pytest.raises(KeyboardInterrupt):
+        fa.functional_call(model, adapter, (ids,))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+
+
+class _StatThenEinsum(torch.nn.Linear):
+    """Reads a statistic of its weight under no_grad, then computes through einsum."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = self.weight.abs().mean()
+        return torch.einsum("...k,nk->...n", x, self.weight) / s + self.bias
+
+
+class _InsideFunction(torch.nn.Linear):
+    """Hands its weight to a custom Function (a kernel wrapper): no gradient leaves through it."""
+
+    class _Matmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x @ w.contiguous().T
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, None
+
+    def forward(self, x):
+        return self._Matmul.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+def test_folds_without_grad_are_exact_and_a_fold_no_gradient_can_leave_is_an_error(carry, monkeypatch):
+    monkeypatch.setattr(_call, "CARRY", carry)
+    x = torch.randn(3, 6)
+    model = torch.nn.Sequential(_StatThenEinsum(6, 5))
+    ad = random_adapter(model, ["0"])
+    leaves, spec = pytree.tree_flatten(ad)
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    ad = pytree.tree_unflatten(leaves, spec)
+    got = fa.functional_call(model, ad, (x,))
+    merged = fa.merge_into(model, ad)
+    want = torch.func.functional_call(model, merged, (x,))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+        torch.testing.assert_close(g, w)
+    with torch.no_grad():  # the whole call without grad: the folds are the adapted outputs
+        torch.testing.assert_close(fa.functional_call(model, ad, (x,)), want.detach())
+    model = torch.nn.Sequential(_InsideFunction(6, 5))
+    with pytest.raises(ValueError, match=r"0 \(_InsideFunction\) used its weight 1 time\(s\) only with grad disabled"):
+        fa.functional_call(model, random_adapter(model, ["0"]).map(
+            lambda p, l: fa.LoRA(l.A.requires_grad_(), l.B.requires_grad_(), l.scale)), (x,))
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
+def test_value_free_and_identity_uses_neither_fold_nor_count(carry, monkeypatch):
+    """empty_like(W) reads no values (a module computing on W.detach() stays an error), and
+    W.to(W.dtype) is W itself: the rule after it fuses, also under LoRA dropout."""
+    monkeypatch.setattr(_call, "CARRY", carry)
+
+    class Workspace(torch.nn.Linear):
+        def forward(self, x):
+            buf = torch.empty_like(self.weight)
+            buf.copy_(self.weight.detach())
+            return torch.nn.functional.linear(x, buf, self.bias)
+
+    class Cast(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+    x = torch.randn(3, 6)
+    ws = torch.nn.Sequential(Workspace(6, 5))
+    with pytest.raises(ValueError, match="silently lost"):
+        fa.functional_call(ws, random_adapter(ws, ["0"]), (x,))
+    cast = torch.nn.Sequential(Cast(6, 5)).train()
+    lora = random_adapter(cast, ["0"], dropout=0.1)
+    _call._warned_folds.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fold warning, no dropout error: the fused op ran
+        fa.functional_call(cast, lora, (x,))
