@@ -702,30 +702,24 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
                              f"{next(iter(n))} adapters, got values from {lo} to {hi}")
 
 
+_GRADLESS = (" only with grad disabled inside a call that runs with grad (a custom autograd.Function's forward, a "
+             "no_grad block): the output is adapted but no gradient reaches its LoRA's factors, which would be "
+             "silently lost. Differentiate through the weight's use, or call under torch.no_grad() throughout")
+_UNADAPTED = (", but used its weight in a way fastaf does not adapt (it adapts F.linear, torch.addmm and x @ "
+              "weight.T, and any other use of its values through W + scale·B@A; a targeted parameter, any torch "
+              "call on it), or only detached (W.detach(), W.data), or not at all; its LoRA would be silently lost. "
+              "Merge it instead: fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))")
+
+
 def _check_applied(routes: list[_Route]) -> None:
     """Raise for modules that ran with their LoRA unapplied (a carried weight: whose weight was used
     only in ways not adapted), or applied only where no gradient reaches it; warn for modules that
     never ran."""
-    lost = [r for r in routes if r.hits == 0 and r.gradless > 0]
-    if lost:
-        raise ValueError(
-            "fastaf.functional_call: "
-            + "; ".join(f"{r.path} ({type(r.module).__name__}) used its weight {r.gradless} time(s)" for r in lost[:5])
-            + " only with grad disabled inside a call that runs with grad (a custom autograd.Function's forward, "
-            "a no_grad block): the output is adapted but no gradient reaches its LoRA's factors, which would be "
-            "silently lost. Differentiate through the weight's use, or call under torch.no_grad() throughout"
-        )
-    lost = [r for r in routes if r.hits == 0 and r.calls > 0]
-    if lost:
-        raise ValueError(
-            "fastaf.functional_call: "
-            + "; ".join(f"{r.path} ({type(r.module).__name__}) ran {r.calls} time(s)" for r in lost[:5])
-            + ", but used its weight in a way fastaf does not adapt (it adapts F.linear, torch.addmm "
-            "and x @ weight.T, and any other use of its values through W + scale·B@A; a targeted parameter, "
-            "any torch call on it), or only detached (W.detach(), W.data), or not at all; its LoRA would be "
-            "silently lost. Merge it instead: "
-            "fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))"
-        )
+    for count, what, why in (("gradless", "used its weight {} time(s)", _GRADLESS), ("calls", "ran {} time(s)", _UNADAPTED)):
+        lost = [r for r in routes if r.hits == 0 and getattr(r, count) > 0]
+        if lost:
+            raise ValueError("fastaf.functional_call: " + "; ".join(
+                f"{r.path} ({type(r.module).__name__}) {what.format(getattr(r, count))}" for r in lost[:5]) + why)
     missed = [r.path for r in routes if r.hits == 0]
     if missed:
         warnings.warn(
