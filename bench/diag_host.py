@@ -11,11 +11,11 @@ the input embeddings, no optimizer), ``fastaf.functional_call`` with plain autog
 (``fastaf-autograd``), and PEFT with bf16 adapters (``peft-bf16``); ``--liger`` patches
 Liger-Kernel in first, as bench_e2e.py's ``--liger`` does.
 
-Two diagnostic providers isolate the interception's share: ``pass-mode`` runs the base under a
+Diagnostics of the interception's share: ``pass-mode`` runs the base under a
 ``TorchFunctionMode`` that only forwards every call (the tax a mode spanning the call puts on
-each torch call of the model), and ``weight-subclass`` is a prototype of lorax's design: the
-targeted weights are swapped for a tensor subclass carrying its LoRA for the forward, so only
-calls that receive an adapted weight reach Python (F.linear only; no threads, hooks or checks).
+each torch call of the model), and a ``-mode`` suffix runs a fastaf provider with its mode over
+the whole call instead of the weights carrying the adapter (``_call.CARRY = False``).
+(``weight-subclass`` in the diag-carry results was a first prototype of the carrier, since removed.)
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_e2e import TARGETS, _liger, make_model  # noqa: E402
+from bench.bench_e2e import TARGETS, _flagged, _liger, make_model  # noqa: E402
 
 import fastaf as fa  # noqa: E402
 
@@ -39,54 +39,13 @@ class _PassMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _LoRAWeight(torch.Tensor):
-    """Prototype: a weight that carries its LoRA; ``F.linear`` on it runs fastaf's fused op."""
-
-    @staticmethod
-    def __new__(cls, weight, lora):
-        t = weight.as_subclass(cls)
-        t.raw, t.lora = weight, lora
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and type(args[1]) is cls:
-            w = args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return fa.functional.lora_linear(args[0], w.raw, bias, w.lora, training=True)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-
-def _subclass_forward(model, adapter, batch):
-    modules = dict(model.named_modules())
-    swapped = [(modules[p], modules[p]._parameters["weight"], lora) for p, lora in adapter.items()]
-    for m, w, lora in swapped:
-        m._parameters["weight"] = _LoRAWeight(w, lora)
-    try:
-        return model(**batch).loss
-    finally:
-        for m, w, _ in swapped:
-            m._parameters["weight"] = w
-
-
 def _phases(model, ids, provider: str):
-    """(forward -> loss, params the optimizer steps or []). A ``-mode`` suffix: fastaf's eager call
-    enters its mode over the whole call instead of carrying the adapter on the weights."""
+    """(forward -> loss, params the optimizer steps or [])."""
     if provider.endswith("-mode"):
         from fastaf.functional import _call
 
         forward, params = _phases(model, ids, provider.removesuffix("-mode"))
-
-        def with_mode():
-            _call.CARRY = False
-            try:
-                return forward()
-            finally:
-                _call.CARRY = True
-
-        return with_mode, params
+        return _flagged(forward, _call, "CARRY", False), params
     if provider == "base":
         emb = model.get_input_embeddings()(ids).detach().requires_grad_()
         return (lambda: model(inputs_embeds=emb, labels=ids).loss), []
@@ -113,8 +72,6 @@ def _phases(model, ids, provider: str):
     leaves, spec = pytree.tree_flatten(adapter)
     leaves = [t.requires_grad_() for t in leaves]
     batch = {"input_ids": ids, "labels": ids}
-    if provider == "weight-subclass":
-        return (lambda: _subclass_forward(model, pytree.tree_unflatten(leaves, spec), batch)), leaves
     return (lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss), leaves
 
 

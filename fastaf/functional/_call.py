@@ -8,9 +8,9 @@ layer into ``lora_linear``, so the base GEMM and the LoRA term run as one fused 
 The mode spans the call, so a weight is adapted wherever it is used, inside its module or not.
 Eagerly, where nothing needs the mode, the weights carry the adapter instead (``_carrier``: the
 same rules, seen only by calls that receive an adapted weight; on the H100, Liger-patched 1B
-step 121 vs 143 ms, ``e2e-liger-carry3-*.json``).
-With the mode, eagerly, per-call pre-hooks on the targeted modules (``_WeightWatch``) count their calls and
-follow a weight swapped in when its module runs (FSDP2's unsharded weight); they are removed when
+step 121 vs 143 ms, ``e2e-liger-carry3-*.json``). With the mode, eagerly, per-call pre-hooks on
+the targeted modules (``_WeightWatch``) count their calls and follow a weight swapped in when its
+module runs (FSDP2's unsharded weight); they are removed when
 the call returns or raises, so the model is left as it was. Under ``torch.compile`` the mode runs
 alone: tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
 without its weight meeting a rule is an error after the call, never a silently unadapted output.
@@ -76,7 +76,7 @@ class _Route:
     spec: LinearSpec | ParamSpec  # ParamSpec: substituted by W + ΔW wherever it is used
     name: str = "weight"  # the weight's attribute on ``module``
     hits: int = 0  # uses of the weight sent through lora_linear (or substituted)
-    calls: int = 0  # calls of the module (counted by eager functional_call's hooks)
+    calls: int = 0  # module runs (the mode's per-call hooks), or uses no rule adapted (a carrier)
     merged: Tensor | None = None  # W + ΔW, made at its first use that needs it in the call
     tied: bool = False  # the weight is also another (non-linear) module's: an embedding's
     gradless: int = 0  # adapted uses with grad off inside a call with grad on: none reaches A, B
@@ -113,7 +113,7 @@ class _LoRAMode(TorchFunctionMode):
         self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
         self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
         self.impl = impl
-        self.grad = torch.is_grad_enabled()  # the call's grad mode (a fold made without grad: folded)
+        self.grad = torch.is_grad_enabled()  # the call's grad mode: a use with grad off inside it is gradless
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
         self.ids = ids  # adapter_ids: the LoRAs are stacked and example i uses slot ids[i]
         # transposed views of routed weights made during the call: id -> (route, view); the view
@@ -151,25 +151,31 @@ class _LoRAMode(TorchFunctionMode):
     def folded(self, route: _Route, use: Any) -> Tensor:
         """``route``'s W + ΔW, made once per entry of the mode (or per carried call): an expert
         LoRA's at every use, a linear layer's at a use no fused rule takes (``use``, warned once)."""
+        if route.merged is not None:
+            route.hits += 1
+            return route.merged
         weight, lora = _carrier.raw(route.weight), route.lora
-        if route.merged is None and isinstance(route.spec, LinearSpec) and not torch.is_grad_enabled() \
-                and (lora.A.requires_grad or lora.B.requires_grad):
-            # Grad is off here but the factors want one (a no_grad block, a custom Function's
-            # forward): exact values without a gradient, not kept for later uses.
-            _check_foldable(route, use)
-            if self._gradless(route):
-                route.gradless += 1
-            else:
-                route.hits += 1
-            return fold_linear(weight, lora, route.spec)
-        if route.merged is None:
-            if isinstance(route.spec, ParamSpec):
-                route.merged = fold_param(weight, lora, route.spec)
-            else:
-                _check_foldable(route, use)
-                route.merged = fold_linear(weight, lora, route.spec)
-        route.hits += 1
-        return route.merged
+        if isinstance(route.spec, ParamSpec):
+            route.merged = fold_param(weight, lora, route.spec)
+            route.hits += 1
+            return route.merged
+        _check_foldable(route, use)
+        merged = fold_linear(weight, lora, route.spec)
+        if torch.is_grad_enabled() or not (lora.A.requires_grad or lora.B.requires_grad):
+            route.merged = merged
+            route.hits += 1
+        else:
+            # grad is off here but the factors want one (a no_grad block, a custom Function's
+            # forward): exact values without a gradient, not kept for later uses
+            self._count(route)
+        return merged
+
+    def _count(self, route: _Route) -> None:
+        """Count an adapted use of ``route``'s weight: a hit, or a gradless one (``_gradless``)."""
+        if self._gradless(route):
+            route.gradless += 1
+        else:
+            route.hits += 1
 
     def _gradless(self, route: _Route) -> bool:
         """A use that adapts the value but passes no gradient to factors that want one: grad is
@@ -259,10 +265,7 @@ class _LoRAMode(TorchFunctionMode):
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                flattened: bool = False) -> Tensor:
         """``flattened``: x is Conv1D's batch-major (batch * seq, K) view, for ``adapter_ids``."""
-        if self._gradless(route):
-            route.gradless += 1  # run inside a custom Function's forward, say: no gradient leaves
-        else:
-            route.hits += 1
+        self._count(route)  # inside a custom Function's forward, say, no gradient leaves
         weight = _carrier.raw(weight)  # a mode inside a carried call: compute on the weight itself
         if self.ids is not None:
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
@@ -663,7 +666,7 @@ def scoped_call(
     if compiling:
         with mode:  # tracers see the mode alone (no hooks to register inside a graph)
             return run()
-    if CARRY and _carrier.eligible(model, mode, params) and SHARE_INPUT != "always":
+    if CARRY and SHARE_INPUT != "always" and _carrier.eligible(model, mode, params):
         # only calls that receive an adapted weight reach Python, not every torch call of the model
         with _carrier.carried(mode), _WeightWatch(mode, hooks=False):
             out = run()
@@ -715,7 +718,8 @@ def _check_applied(routes: list[_Route]) -> None:
     """Raise for modules that ran with their LoRA unapplied (a carried weight: whose weight was used
     only in ways not adapted), or applied only where no gradient reaches it; warn for modules that
     never ran."""
-    for count, what, why in (("gradless", "used its weight {} time(s)", _GRADLESS), ("calls", "ran {} time(s)", _UNADAPTED)):
+    for count, what, why in (("gradless", "used its weight {} time(s)", _GRADLESS),
+                             ("calls", "ran {} time(s)", _UNADAPTED)):
         lost = [r for r in routes if r.hits == 0 and getattr(r, count) > 0]
         if lost:
             raise ValueError("fastaf.functional_call: " + "; ".join(

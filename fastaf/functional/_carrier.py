@@ -2,8 +2,8 @@
 
 A ``TorchFunctionMode`` spanning the call sends every torch call of the model through Python,
 ~3-5 us each: on a Liger-patched Llama-3.2-1B that is ~3,200 calls and ~10 ms of host time per
-forward on the H100 machine, in a step that is host-bound (bench/diag_host.py, providers
-``pass-mode`` and ``weight-subclass``). Here each targeted weight is swapped, for the call, for a
+forward on the H100 machine, in a step that is host-bound (bench/diag_host.py: ``pass-mode``,
+and ``fastaf-autograd`` against ``fastaf-autograd-mode``). Here each targeted weight is swapped, for the call, for a
 ``Carrier``: a tensor subclass aliasing the weight's storage, whose ``__torch_function__`` sees
 only the torch calls that receive it. The linear rules (``_rules``) send those through the mode
 object's ``_apply`` (so both interceptions compute the same op); any other call runs on the
@@ -15,17 +15,17 @@ the call returns or raises. A detaching use of a carried weight (``W.data``, ``W
 counted on its route: a weight used only that way lost its LoRA (no gradient reaches A and B), an
 error after the call as with the mode (where a per-call hook counts the module's runs instead).
 
-Other threads see the carrier too, so it adapts only for the threads whose calls installed it: per thread, a stack of (mode, route), innermost last (a nested
-call on the same model adapts with its own adapter, as the inner mode would). Concurrent calls
-share one carrier per weight; the last to leave puts the weight back.
+Other threads see the carrier too, so it adapts only for the threads whose calls installed it:
+per thread, a stack of (mode, route), innermost last (a nested call on the same model adapts with
+its own adapter, as the inner mode would). Concurrent calls share one carrier per weight; the
+last to leave puts the weight back.
 
 Used where it is exactly the mode's behaviour: eagerly (no tracer, no functorch transform
 active: one grad level is peeled off before, ``_below_grad``), linear routes only (an expert
 LoRA substitutes W + ΔW into any call: the mode's job), no ``adapter_ids``, plain registered
-parameters (no FSDP2 DTensor, no other subclass), no ``params=`` (torch.func's swap ties weights by
-identity, which a carrier hides),
-no forward pre-hook in the model (one may swap a weight in, as FSDP2 does) and no compiled module
-(dynamo would trace the carrier).
+parameters (no FSDP2 DTensor, no other subclass), no ``params=`` (torch.func's swap ties weights
+by identity, which a carrier hides), no forward pre-hook in the model (one may swap a weight in,
+as FSDP2 does) and no compiled module (dynamo would trace the carrier).
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _rules as rules
-from ._modules import LinearSpec
 
 if TYPE_CHECKING:
     from ._call import _LoRAMode, _Route
@@ -164,11 +163,9 @@ def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | N
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
-    for route in mode.routes.values():
+    for route in mode.routes.values():  # linear routes (expert ones are mode.params)
         held = route.module._parameters.get(route.name)
-        if held is None or raw(held) is not raw(route.weight) or type(raw(held)) not in _PLAIN:
-            return False
-        if not isinstance(route.spec, LinearSpec):
+        if held is not route.weight or type(raw(held)) not in _PLAIN:  # a registered plain parameter
             return False
     if nn.modules.module._global_forward_pre_hooks:
         return False
