@@ -75,15 +75,17 @@ def _phases(model, ids, provider: str):
     return (lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss), leaves
 
 
-_PHASES = ("forward", "backward", "optimizer", "gpu_tail", "step")
+_PHASES = ("forward", "backward", "optimizer", "gpu_tail", "step", "fwd_cpu")
 
 
 def _timed_step(forward, opt) -> tuple[float, ...]:
-    """One step from an idle GPU: seconds of each phase (``_PHASES``)."""
+    """One step from an idle GPU: seconds of each phase (``_PHASES``), and the forward's CPU time
+    (``fwd_cpu``: the process's, which a busy host's scheduling does not inflate as it does wall
+    time; the forward of a LoRA step is host-bound, so this is its host cost)."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = forward()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     loss.backward()
     t2 = time.perf_counter()
     if opt is not None:
@@ -92,7 +94,7 @@ def _timed_step(forward, opt) -> tuple[float, ...]:
     t3 = time.perf_counter()
     torch.cuda.synchronize()
     t4 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, c1 - c0
 
 
 def measure(model, ids, providers: list[str], steps: int) -> dict[str, dict]:
@@ -132,10 +134,11 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
     print(f"{'liger ' if args.liger else ''}{batch}x{seq} tokens: ms per phase (median of {args.steps} steps, "
           "providers alternating step by step)")
-    print(f"  {'provider':16s} {'forward':>8s} {'backward':>9s} {'optim':>7s} {'gpu tail':>9s} {'step':>8s}")
+    print(f"  {'provider':16s} {'forward':>8s} {'backward':>9s} {'optim':>7s} {'gpu tail':>9s} {'step':>8s} "
+          f"{'fwd cpu':>8s}")
     for name, r in measure(model, ids, args.providers.split(","), args.steps).items():
         print(f"  {name:16s} {r['forward']:8.2f} {r['backward']:9.2f} {r['optimizer']:7.2f} {r['gpu_tail']:9.2f} "
-              f"{r['step']:8.2f}", flush=True)
+              f"{r['step']:8.2f} {r['fwd_cpu']:8.2f}", flush=True)
     if args.profile:
         profile(model, ids, args.profile, args.top)
 

@@ -456,11 +456,12 @@ def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t[None]
 
 
-def _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, triton: bool):
+def _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, triton: bool, lead: tuple = ()):
     """(y (M, N), h (M, R)) on plain tensors (kernels or reference) or on vmap-batched ones (the
-    registered op, whose vmap rule reaches the grouped path)."""
+    registered op, whose vmap rule reaches the grouped path). ``lead``: the kernels may make y
+    (*lead, N) directly (the caller's leading dims)."""
     if triton:
-        return _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl)
+        return _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl, lead=lead)
     fwd = reference_fwd if _direct_ok(x2, weight, bias, a, b) else torch.ops.fastaf.lora_linear_fwd
     extra = () if fwd is reference_fwd else (impl,)
     y, h = fwd(x2[None], weight[None], _opt(bias), a[None], b[None], scale, dropout_p, seed, *extra)
@@ -470,12 +471,16 @@ def _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, triton: bo
 def _direct_bwd(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl, triton: bool):
     """(dx (M, K) or empty, dA (R, K), dB (N, R)), as ``_direct_fwd`` chooses its path."""
     if triton:
-        return _kernels().lora_linear_bwd_unchecked(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl)
+        return _kernels().lora_linear_bwd_unchecked(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl,
+                                                    shared_grads=True)
     plain = _direct_ok(dy2, x2, weight, a, b, h)
     bwd = reference_bwd if plain else torch.ops.fastaf.lora_linear_bwd
     extra = () if plain else (impl,)
     out = bwd(dy2[None], x2[None], weight[None], a[None], b[None], h[None], scale, dropout_p, seed, needs_dx, *extra)
     return tuple(t[0] for t in out)
+
+
+_NO_SCOPE = contextlib.nullcontext()  # stateless: one instance serves every call and thread
 
 
 class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
@@ -509,13 +514,16 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         try:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
             ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
-            ctx.triton = _direct_ok(x2, weight, bias, a, b) and _use_triton(impl, x2)
+            # level 0: lora_linear's _direct_level found the operands plain already
+            ctx.triton = (not level or _direct_ok(x2, weight, bias, a, b)) and _use_triton(impl, x2)
             if not ctx.triton:  # the kernels read fp32 master factors as they are; torch casts
                 a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             else:
                 a, b = _kernel_factor(a, x.dtype), _kernel_factor(b, x.dtype)
-            y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton)
-            y = _unflatten(y, x)
+            lead = x.shape[:-1] if x.dim() > 2 else ()
+            y, h = _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, ctx.triton, lead)
+            if y.dim() != x.dim():  # the Triton GEMM made y (*lead, N) already
+                y = _unflatten(y, x)
         finally:
             if saved_layer is not None:
                 _functorch.push_dynamic_layer_stack(saved_layer)
@@ -538,7 +546,8 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         # there. Plain autograd's double backward (create_graph) takes the reference's ops,
         # differentiable, with h recomputed from x.
         double = not ctx.level and _differentiated(dy)
-        scope = torch.no_grad() if not double else contextlib.nullcontext()
+        # plain autograd runs a first-order backward with grad off already: no scope to enter
+        scope = torch.no_grad() if not double and torch.is_grad_enabled() else _NO_SCOPE
         try:
             with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)

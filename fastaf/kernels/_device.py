@@ -34,8 +34,20 @@ def _smem_limit(device: torch.device) -> int:
     return _device_info(device.index)[3] if device.type == "cuda" else 1 << 30
 
 
+# Global scratch of the launches, per (device, stream): kernels on one stream run one after the
+# other, so a launch may write its descriptors where the previous launch's were (an allocation
+# per launch was ~3 us of host time, 3-4 launches per adapted layer and step).
+_scratch: dict[tuple[int, Optional[int]], torch.Tensor] = {}
+
+
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():  # a CUDA graph keeps its own: never shared with eager launches
+        return torch.empty(size, device=device, dtype=torch.int8)
+    buf = _scratch.get((device, stream))
+    if buf is None or buf.numel() < size:  # torch's allocator, not CUDA, frees a smaller one: stream-ordered
+        buf = _scratch[(device, stream)] = torch.empty(max(size, 1 << 16), device=device, dtype=torch.int8)
+    return buf
 
 
 def _ensure_allocator() -> None:
@@ -59,8 +71,8 @@ def _tma_ready(*views: tuple[torch.Tensor, int]) -> bool:
 
 def _tma_2d(t: torch.Tensor, dim: int) -> bool:
     """A 2-D tensor with unit stride on ``dim`` is TMA-addressable: 16-byte base and other stride."""
-    return (t.stride(dim) == 1 and (t.stride(1 - dim) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    strides = t.stride()  # one call for both (this runs per operand and launch)
+    return strides[dim] == 1 and (strides[1 - dim] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _rows_tma_ready(t: torch.Tensor) -> bool:

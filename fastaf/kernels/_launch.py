@@ -16,8 +16,8 @@ by value (Triton specializes ints on == 1, % 16 == 0 and the i32 / i64 range); f
 not at all (Triton never specializes them; the launchers pass Python floats); and
 the meta-parameters (constexprs, num_warps, num_stages) and the current device. Registered launch
 hooks (profilers: a non-empty ``knobs.runtime.launch_enter_hook`` chain) and the interpreter
-(TRITON_INTERPRET=1) take the normal path; the empty hook chains are passed through as Triton
-does. If the fast path fails once (attribute missing, different calling convention), the site
+(TRITON_INTERPRET=1) take the normal path; otherwise the launcher gets None for the hooks,
+which it skips (an empty chain is still a call into Python per launch). If the fast path fails once (attribute missing, different calling convention), the site
 warns once and uses the normal launch from then on.
 """
 from __future__ import annotations
@@ -120,7 +120,8 @@ class LaunchSite:
             stream = _raw_stream(device)
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
-            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, enter, exit_,
+            # no hook runs: None spares the launcher two calls into Python (the empty chains)
+            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *tail)
             self.hits += 1
         except Exception as err:  # noqa: BLE001

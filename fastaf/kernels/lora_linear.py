@@ -132,11 +132,13 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
 
 def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
          l_scale: float, dropout_p: float, seed: Optional[torch.Tensor], out_dtype: torch.dtype,
-         *, config: Optional[dict] = None, use_tma: Optional[bool] = None) -> torch.Tensor:
+         *, config: Optional[dict] = None, use_tma: Optional[bool] = None, lead: tuple = ()) -> torch.Tensor:
     """y = x @ w_kn + bias + [keep/(1-p) *] (l_scale * h) @ u_rn, (M, N) in ``out_dtype``.
 
     x (M, K); w_kn (K, N) any strides (a transposed view is fine); h (M, R) any float dtype;
     u_rn (R, N) any strides; bias (N,) or None. The dropout mask is that of an (M, N) input.
+    ``lead``: y is allocated (*lead, N) instead (prod(lead) == M, contiguous: the same memory),
+    which spares a caller's reshape of a flattened input's output.
     """
     M, K = x.shape
     N = w_kn.shape[1]
@@ -163,14 +165,14 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
             _tf32(x.dtype), _conf_key(config))
     grid, programs, meta, meta_key = _plan(memo, build)
-    y = torch.empty((M, N), device=dev, dtype=out_dtype)
+    y = torch.empty((*lead, N) if lead else (M, N), device=dev, dtype=out_dtype)  # contiguous: strides (N, 1)
     if tma and x.is_cuda:
         _ensure_allocator()
     _SITES["gemm"](grid, (
         x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y,
         M, N, K, R,
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), h.stride(0), h.stride(1),
-        u_rn.stride(0), u_rn.stride(1), y.stride(0), y.stride(1),
+        u_rn.stride(0), u_rn.stride(1), N, 1,
         programs, float(l_scale), float(dropout_p),
     ), meta, meta_key)
     return y
@@ -199,11 +201,13 @@ def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict], b_dtype: torc
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
            *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None,
-           plan: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           db_sum: Optional[torch.Tensor] = None, plan: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
-    backward zero dh and da with one memset). ``plan``: ``_bwd_dy_plan``'s, when the caller has it.
+    backward zero dh and da with one memset). ``db_sum``: likewise db's fp32 (N, R) atomic
+    accumulator, zero-filled by the caller; used where the plan adds db atomically (no partials).
+    ``plan``: ``_bwd_dy_plan``'s, when the caller has it.
     """
     M, N = dy.shape
     R = b.shape[1]
@@ -218,7 +222,7 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     if partials:
         db_buf = torch.empty((partials, N, R), device=dev, dtype=torch.float32)
     else:
-        db_buf = torch.zeros((N, R), device=dev, dtype=torch.float32)
+        db_buf = torch.zeros((N, R), device=dev, dtype=torch.float32) if db_sum is None else db_sum
     if tma and dy.is_cuda:
         _ensure_allocator()
     _SITES["bwd_dy"](grid, (
@@ -309,11 +313,14 @@ def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                               a: torch.Tensor, b: torch.Tensor, scale: float, dropout_p: float,
-                              seed: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                              seed: Optional[torch.Tensor], impl: str, *,
+                              lead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``lora_linear_fwd`` without its input checks, for callers that validated already.
 
     fastaf's eager op path checks once at the public function: the checks here cost ~10 us of
-    host time per call, which counts where M=2048 calls are host-bound.
+    host time per call, which counts where M=2048 calls are host-bound. ``lead``: the Triton
+    GEMM allocates y as (*lead, N) (the caller's leading dims, prod(lead) == M); cuBLAS's stays
+    (M, N).
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     choice = _choose(impl, "fwd", x, M, K, N, R)
@@ -321,16 +328,17 @@ def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optio
         h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.to(x.dtype).T  # (M, R)
     else:
         h = fwd_h(x, a, dropout_p, seed)  # (M, R)
-    return _up(choice, x, weight, bias, h, b, scale), h
+    return _up(choice, x, weight, bias, h, b, scale, lead), h
 
 
 def _up(choice: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
-        b: torch.Tensor, scale: float) -> torch.Tensor:
-    """y (M, N) = x @ weight.T + bias + scale * h @ b.T on the implementation ``choice`` names."""
+        b: torch.Tensor, scale: float, lead: tuple = ()) -> torch.Tensor:
+    """y (M, N) = x @ weight.T + bias + scale * h @ b.T on the implementation ``choice`` names
+    ((*lead, N) from the Triton GEMM when ``lead`` is given)."""
     if choice == "addmm":
         y = torch.nn.functional.linear(x, weight, bias)
         return y.addmm_(h, b.to(x.dtype).T, alpha=scale)  # cuBLAS takes one dtype
-    return gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype)
+    return gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype, lead=lead)
 
 
 def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -355,9 +363,14 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: 
 
 def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor,
                               b: torch.Tensor, h: torch.Tensor, scale: float, dropout_p: float,
-                              seed: Optional[torch.Tensor], needs_dx: bool,
-                              impl: str) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``lora_linear_bwd`` without its input checks, for callers that validated already."""
+                              seed: Optional[torch.Tensor], needs_dx: bool, impl: str, *,
+                              shared_grads: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``lora_linear_bwd`` without its input checks, for callers that validated already.
+
+    ``shared_grads``: da and db may be views of one buffer (one zero-fill launch less, ~15 us of
+    host time per layer). Plain autograd takes them as they are; a custom op may not return
+    outputs that share storage, so the registered ops leave it False.
+    """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
         a, b = a.to(x.dtype), b.to(x.dtype)  # cuBLAS takes one dtype
@@ -380,11 +393,14 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     # The plans are made once here and handed down (each lookup is host time at launch-bound M).
     dy_plan = _bwd_dy_plan(dy, R, None, b.dtype)
     da_plan = _bwd_da_plan(x, R, dropout_p > 0, None)
-    work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 else torch.empty)(
-        M * R + R * K, device=x.device, dtype=torch.float32)
+    db_rows = N if shared_grads and not dy_plan[1] else 0  # db atomically summed: zeroed with the rest
+    work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 or db_rows else torch.empty)(
+        R * K + db_rows * R + M * R, device=x.device, dtype=torch.float32)
     # da first: with fp32 factors it is returned as it is, and a custom op's output must start
     # its storage (its fake says so; Inductor asserts 16-byte alignment of it)
-    dh, db = bwd_dy(dy, b, h, scale, dh=work[R * K:].view(M, R), plan=dy_plan)  # fp32 (M, R), (N, R) in b's dtype
+    end = R * K + db_rows * R
+    db_sum = work[R * K:end].view(N, R) if db_rows else None
+    dh, db = bwd_dy(dy, b, h, scale, dh=work[end:].view(M, R), db_sum=db_sum, plan=dy_plan)  # fp32 (M, R), (N, R)
     da = bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
     return dx, da if a.dtype == torch.float32 else da.to(a.dtype), db

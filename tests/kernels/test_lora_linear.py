@@ -152,6 +152,34 @@ def test_skinny_variants(case, p):
     skinny(*TMA, 5, p, SKINNY[case], device=device, key=key)  # TMA shapes: 16-byte row strides
 
 
+@needs_triton
+@pytest.mark.parametrize("db_partial", [0, 1])
+@pytest.mark.parametrize("split", [1, 2])
+def test_shared_grads_buffer_matches_separate_buffers(monkeypatch, db_partial, split):
+    """The eager path's one zero-filled buffer for dh, dA and dB (atomics) gives what separate
+    buffers give, and dA, dB do not overlap (they are views of it as the gradients of A and B)."""
+    from fastaf.kernels import lora_linear_configs, lora_linear_plan
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    conf = dict(lora_linear_configs.INTERPRET["bwd_dy"], DB_PARTIAL=db_partial, SPLIT_N=split)
+    monkeypatch.setitem(lora_linear_configs.INTERPRET, "bwd_dy", conf)
+    lora_linear_plan.clear_memos()
+    try:
+        x, weight, _, a, b, dy, seed = make(*PLAIN, 5, torch.float32, device, bias=False)
+        h = x @ a.T
+        args = (dy, x, weight, a, b, h, 0.5, 0.0, None, True, "triton")
+        dx, da, db = ll.lora_linear_bwd_unchecked(*args, shared_grads=True)
+        want = ll.lora_linear_bwd_unchecked(*args)
+        for got, ref, name in zip((dx, da, db), want, ("dx", "da", "db")):
+            assert_close(got, ref, torch.float32, name)
+        da.fill_(1.0)
+        assert_close(db, want[2], torch.float32, "db after writing da")
+        _, _, _, _, db_r = reference(x, weight, None, a, b, 0.5, 0.0, None, dy)
+        assert_close(db, db_r, torch.float32, "db")
+    finally:
+        lora_linear_plan.clear_memos()
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_addmm_path_matches_reference(p):
     check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
