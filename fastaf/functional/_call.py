@@ -112,6 +112,10 @@ class _LoRAMode(TorchFunctionMode):
         # linear routes (fused into lora_linear) and parameter routes (substituted), by weight id
         self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
         self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
+        # made inside a trace (functional_call under torch.compile), not eagerly around compiled blocks
+        self.traced = torch.compiler.is_compiling()
+        # a routed linear weight that is no nn.Parameter (params=): traced folds scan every call
+        self.plain_weights = any(not isinstance(r.weight, nn.Parameter) for r in self.routes.values())
         self.impl = impl
         self.grad = torch.is_grad_enabled()  # the call's grad mode: a use with grad off inside it is gradless
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
@@ -252,15 +256,34 @@ class _LoRAMode(TorchFunctionMode):
                 # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
                 return self._apply(route, parts[1], route.weight.t(), parts[0], flattened=True)
         out = func(*args, **kwargs)
-        if (not torch.compiler.is_compiling() and self.routes and isinstance(out, Tensor)
-                and rules.foldable(func, args, out)):
-            # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact.
-            # Eagerly only: traced, the scan would run over every op of the model at compile time
-            # (and reading self.routes first made dynamo guard the dict FSDP2's hook then grows).
+        if isinstance(out, Tensor) and self._may_fold(args, kwargs) and rules.foldable(func, args, out):
+            # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact
             swapped = rules.substitute(args, kwargs, lambda t: self._folded_linear(t, func))
             if swapped is not None:
                 return func(*swapped[0], **swapped[1])
         return out
+
+    def _may_fold(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call's arguments may hold a routed weight, for the fold's scan. Traced, the
+        scan would otherwise compare every tensor of every op with every route at compile time:
+        only a parameter, or a transposed view made in the call, can be one (a weight given as a
+        plain tensor, through ``params=``, turns the filter off). Eagerly, any call while routes
+        exist (the lookup is by id). Not in blocks compiled inside an eager call (FSDP2 recipes):
+        there the mode was made outside the trace, and dynamo reading its routes breaks on the
+        weights FSDP2's hook keys in; such a use stays the base weight's there."""
+        if not torch.compiler.is_compiling():
+            return bool(self.routes)
+        if not self.traced:
+            return False
+        if not self.routes or self.plain_weights:
+            return bool(self.routes)
+        for a in (*args, *kwargs.values()):
+            if type(a) in (list, tuple):
+                if self._may_fold(a, {}):
+                    return True
+            elif isinstance(a, nn.Parameter) or (self.views and isinstance(a, Tensor) and self._view(a) is not None):
+                return True
+        return False
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
                flattened: bool = False) -> Tensor:
@@ -309,15 +332,19 @@ _warned_folds: set[tuple[str, str]] = set()
 
 def _check_foldable(route: _Route, use: Any) -> None:
     """A linear weight's use with no fused rule computes with W + ΔW: exact without LoRA dropout
-    (which applies to the LoRA path's input, not to a weight); warned once per path and use."""
-    name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
+    (which applies to the LoRA path's input, not to a weight); warned once per path and use,
+    eagerly (under torch.compile a warning would break the graph)."""
+    if torch.compiler.is_compiling():  # dynamo answers a torch function's __name__ with a descriptor's;
+        name = "a call"  # its error shows the model's source line instead
+    else:
+        name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
     if route.module.training and route.lora.dropout:
         raise ValueError(
             f"{route.path} ({type(route.module).__name__}) uses its weight through {name}, which no fused "
             f"LoRA rule takes, so fastaf would compute with W + scale·B@A; LoRA dropout "
             f"({route.lora.dropout}) cannot apply to a merged weight: use dropout 0 for this module, or eval()"
         )
-    if (route.path, name) not in _warned_folds:
+    if not torch.compiler.is_compiling() and (route.path, name) not in _warned_folds:  # traced: a break
         _warned_folds.add((route.path, name))
         warnings.warn(
             f"fastaf: {route.path} ({type(route.module).__name__}) uses its weight through {name}, which no "

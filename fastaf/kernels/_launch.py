@@ -17,8 +17,9 @@ not at all (Triton never specializes them; the launchers pass Python floats); an
 the meta-parameters (constexprs, num_warps, num_stages) and the current device. Registered launch
 hooks (profilers: a non-empty ``knobs.runtime.launch_enter_hook`` chain) and the interpreter
 (TRITON_INTERPRET=1) take the normal path; otherwise the launcher gets None for the hooks,
-which it skips (an empty chain is still a call into Python per launch). If the fast path fails once (attribute missing, different calling convention), the site
-warns once and uses the normal launch from then on.
+which it skips (an empty chain is still a call into Python per launch). If the fast path fails
+once (attribute missing, different calling convention), the site warns once and uses the normal
+launch from then on.
 """
 from __future__ import annotations
 

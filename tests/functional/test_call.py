@@ -302,6 +302,34 @@ def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, 
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("inner", ["linear", "conv1d"])
+def test_a_use_no_rule_fuses_is_folded_under_compile_too(inner):
+    """torch.compile(grad_and_value) with fullgraph: the einsum use computes with W + ΔW (it once
+    stayed the base weight's there, silently), values and gradients as the merged model's."""
+    model = _Tiny(_EinsumLinear(6, 5) if inner == "linear" else _einsum_conv1d(5, 6))
+    x = torch.randn(3, 6)
+    ad = random_adapter(model, ["inner", "plain"])
+
+    def loss(a):
+        return fa.functional_call(model, a, (x,)).square().sum()
+
+    def merged_loss(a):
+        return fa.functional_call(model, None, (x,), params=fa.merge_into(model, a)).square().sum()
+
+    got = torch.compile(torch.func.grad_and_value(loss), fullgraph=True, backend="aot_eager")(ad)
+    want = torch.func.grad_and_value(merged_loss)(ad)
+    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_use_no_rule_fuses_under_compile_and_lora_dropout_is_an_error():
+    model = _Tiny().train()
+    ad = random_adapter(model, ["inner"], dropout=0.1)
+    # dynamo's error names the use by the model's source line
+    with pytest.raises(Exception, match=r"(?s)inner \(_EinsumLinear\) uses its weight through a call.*dropout.*einsum"):
+        torch.compile(lambda a: fa.functional_call(model, a, (torch.randn(3, 6),)), backend="aot_eager")(ad)
+
+
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
 def test_a_use_no_rule_fuses_under_lora_dropout_is_a_clear_error(carry, monkeypatch):
     monkeypatch.setattr(_call, "CARRY", carry)
