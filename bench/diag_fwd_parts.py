@@ -38,8 +38,12 @@ def _no_launch(self, grid, args, meta, meta_key):
     return None
 
 
+def _no_relaunch(self, entry, grid, args):
+    return True  # "launched": the kernel kept for a call signature is not run either
+
+
 VARIANTS = {"full": [], "carrier-only": [(_call._LoRAMode, "_apply", _carrier_only)],
-            "no-launch": [(_launch.LaunchSite, "__call__", _no_launch)]}
+            "no-launch": [(_launch.LaunchSite, "__call__", _no_launch), (_launch.LaunchSite, "again", _no_relaunch)]}
 
 
 def main() -> None:

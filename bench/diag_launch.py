@@ -64,7 +64,7 @@ def main() -> None:
     launchers = {"fwd_h": lambda: ll.fwd_h(x, a, 0.0, None),
                  "gemm": lambda: ll.gemm(x, w.T, h, b.T, None, 0.5, 0.0, None, x.dtype)}
     for (site, (grid, launch_args, meta, meta_key)), (name, launcher) in zip(calls.items(), launchers.items()):
-        compiled, tail = next(iter(site.compiled.values()))
+        _, compiled, tail = next(iter(site.compiled.values()))
         dev = torch.cuda.current_device()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1

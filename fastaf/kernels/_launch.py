@@ -90,11 +90,15 @@ class LaunchSite:
                           "using the normal launch", RuntimeWarning, stacklevel=3)
         self.fast = False
 
-    def __call__(self, grid: Sequence[int], args: Sequence[Any], meta: dict, meta_key: tuple) -> None:
-        """Launch over ``grid`` (1-3 ints). ``meta_key`` is a hashable stand-in for ``meta``."""
+    def __call__(self, grid: Sequence[int], args: Sequence[Any], meta: dict, meta_key: tuple) -> tuple | None:
+        """Launch over ``grid`` (1-3 ints). ``meta_key`` is a hashable stand-in for ``meta``.
+
+        Returns the cached kernel it launched, (device, compiled, tail), when it took the fast
+        path: ``again`` relaunches it for a call its caller knows to be alike. Else None.
+        """
         if not self.fast:
             self.kernel[tuple(grid)](*args, **meta)
-            return
+            return None
         device = _current_device()
         # exact int values (finer than Triton's ==1 / %16 / i32-i64 classes, and cheaper to build
         # than a per-argument classification), tensors by dtype and 16-byte alignment
@@ -104,19 +108,28 @@ class LaunchSite:
         if entry is None:
             compiled = self.kernel[tuple(grid)](*args, **meta)
             if not self._layout_ok(args):  # never cache a call the key does not describe
-                return
+                return None
             try:
                 tail = tuple(meta[name] for name in self.constexpr_names)
                 compiled.run  # noqa: B018 - loads the module; raises here, not mid-launch, if absent
-                self.compiled[key] = (compiled, tail)
+                self.compiled[key] = (device, compiled, tail)
             except Exception as err:  # noqa: BLE001
                 self._disable(err)
-            return
-        compiled, tail = entry
+            return None
+        if not self.again(entry, grid, args):
+            self.kernel[tuple(grid)](*args, **meta)  # a profiler's hook, or the fast path failed
+            return None
+        return entry
+
+    def again(self, entry: tuple, grid: Sequence[int], args: Sequence[Any]) -> bool:
+        """Launch ``entry`` (what ``__call__`` returned) with ``args`` and no key: the caller vouches
+        that the call is alike (argument dtypes, alignments and ints, meta-parameters). False,
+        launching nothing, when it cannot: a launch hook is active (profilers want launch
+        metadata: the normal path), another current device, or the fast path failed."""
+        device, compiled, tail = entry
         enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        if _active(enter) or _active(exit_):
-            self.kernel[tuple(grid)](*args, **meta)  # profilers want launch metadata: normal path
-            return
+        if not self.fast or _active(enter) or _active(exit_) or _current_device() != device:
+            return False
         try:
             stream = _raw_stream(device)
             g1 = grid[1] if len(grid) > 1 else 1
@@ -125,6 +138,7 @@ class LaunchSite:
             compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *tail)
             self.hits += 1
+            return True
         except Exception as err:  # noqa: BLE001
             self._disable(err)
-            self.kernel[tuple(grid)](*args, **meta)
+            return False

@@ -48,8 +48,9 @@ from fastaf.kernels.lora_linear_configs import DEFAULTS, INTERPRET
 from fastaf.kernels.lora_linear_kernels import (_lora_linear_bwd_da_kernel, _lora_linear_bwd_db_kernel,
                                                 _lora_linear_bwd_dy_kernel, _lora_linear_fwd_h_kernel,
                                                 _lora_linear_gemm_kernel)
-from fastaf.kernels.lora_linear_plan import (_choose, _conf_key, _config, _dot_precision, _elt, _gemm_key, _key,
-                                             _meta, _num_programs, _plan, _r_pad, _skinny_conf, _tf32)
+from fastaf.kernels.lora_linear_plan import (_aligned, _call_memo, _choose, _conf_key, _config, _dot_precision, _elt,
+                                             _gemm_key, _key, _meta, _num_programs, _plan, _r_pad, _skinny_conf,
+                                             _tf32)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -97,14 +98,12 @@ def _dropped(x: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Ten
     return x * keep / (1.0 - dropout_p)
 
 
-def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
-          *, config: Optional[dict] = None) -> torch.Tensor:
-    """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K)."""
+def _fwd_h_plan(x: torch.Tensor, a: torch.Tensor, has_dropout: bool, config: Optional[dict]) -> tuple:
+    """(grid, use TMA, whether a is read in its own dtype, meta, meta_key) of a fwd_h launch."""
     M, K = x.shape
     R = a.shape[0]
     dev, dtype = x.device, x.dtype
     tma_ok = _rows_tma_ready(x) and _rows_tma_ready(a)
-    has_dropout = dropout_p > 0
 
     def build():
         conf, tma, meta, a_fits = _skinny_conf("fwd_h", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok,
@@ -114,20 +113,82 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
                 *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R),
                        DOT_PRECISION=_dot_precision(dtype), **meta))
 
-    memo = ("fwd_h", dev.index, M, K, R, dtype, a.dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config))
-    grid, tma, a_fits, meta, meta_key = _plan(memo, build)
+    return _plan(("fwd_h", dev.index, M, K, R, dtype, a.dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)),
+                 build)
+
+
+def _launch_planned(site: _launch.LaunchSite, plan: list, slot: int, grid: tuple, args: tuple, meta: dict,
+                    meta_key: tuple, *, alike: bool = True) -> None:
+    """Launch through ``site``; ``plan[slot]`` keeps the kernel it launched, which the next call
+    with the same plan (``_call_memo``: the same call signature) relaunches without a key.
+    ``alike``: the outputs the plan does not describe (views into a caller's buffer) are 16-byte
+    aligned as well, so the call matches the kernel kept; else the site's key decides."""
+    entry = plan[slot] if alike else None
+    if entry is None or not site.again(entry, grid, args):
+        launched = site(grid, args, meta, meta_key)
+        if alike:
+            plan[slot] = launched
+
+
+def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
+          *, config: Optional[dict] = None) -> torch.Tensor:
+    """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K)."""
+    M, K = x.shape
+    R = a.shape[0]
+    dtype, has_dropout = x.dtype, dropout_p > 0
+    # the call's signature: with it the plan is one lookup (~10 us of host time less per launch)
+    call = (("fwd_h", x.get_device(), M, K, R, x.stride(), a.stride(), dtype, a.dtype,
+             seed.dtype if has_dropout else None, _tf32(dtype))
+            if config is None and _aligned(x, a, seed) else None)
+    plan = _call_memo.get(call) if call is not None else None
+    if plan is None:
+        plan = [*_fwd_h_plan(x, a, has_dropout, config), None]
+        if call is not None:
+            _call_memo[call] = plan
+    grid, tma, a_fits, meta, meta_key, _ = plan
     if not a_fits:  # an fp32 a's tiles fit no config at this rank: read it in x's dtype
         a = a.to(dtype)
-    h = torch.empty((M, R), device=dev, dtype=dtype)
+    h = torch.empty((M, R), device=x.device, dtype=dtype)
     if tma and x.is_cuda:
         _ensure_allocator()
-    _SITES["fwd_h"](grid, (
+    xs, as_ = x.stride(), a.stride()
+    _launch_planned(_SITES["fwd_h"], plan, 5, grid, (
         x, a, seed if has_dropout else x, h,
         M, K, R,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
+        xs[0], xs[1], as_[0], as_[1], R, 1,
         float(dropout_p),
     ), meta, meta_key)
     return h
+
+
+def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype, has_bias: bool,
+               has_dropout: bool, config: Optional[dict], use_tma: Optional[bool]) -> tuple:
+    """(grid, programs, use TMA, meta, meta_key) of a gemm launch."""
+    M, K = x.shape
+    N = w_kn.shape[1]
+    R = h.shape[1]
+    dev = x.device
+    w_k_contig = w_kn.stride(0) == 1
+    # y is allocated contiguous: TMA-ready iff its row stride N * elt is a multiple of 16 bytes
+    tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_k_contig else 1)
+                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev))
+    tma = tma_possible if use_tma is None else (use_tma and tma_possible)
+    if use_tma and not tma_possible:
+        raise ValueError("lora_linear.gemm: use_tma=True but the operands are not TMA-addressable")
+
+    def build():
+        phase = "gemm" if tma else "gemm_plain"
+        conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
+        tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
+        programs = _num_programs(dev, tiles)
+        return ((programs,), programs,
+                *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
+                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
+
+    memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
+            _tf32(x.dtype), _conf_key(config))
+    grid, programs, meta, meta_key = _plan(memo, build)
+    return grid, programs, tma, meta, meta_key
 
 
 def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
@@ -143,46 +204,41 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     M, K = x.shape
     N = w_kn.shape[1]
     R = h.shape[1]
-    dev = x.device
-    w_k_contig = w_kn.stride(0) == 1
-    # y is allocated contiguous below: TMA-ready iff its row stride N * elt is a multiple of 16 bytes
-    tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_k_contig else 1)
-                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev))
-    tma = tma_possible if use_tma is None else (use_tma and tma_possible)
-    if use_tma and not tma_possible:
-        raise ValueError("lora_linear.gemm: use_tma=True but the operands are not TMA-addressable")
     has_bias, has_dropout = bias is not None, dropout_p > 0
-
-    def build():
-        phase = "gemm" if tma else "gemm_plain"
-        conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
-        tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
-        programs = _num_programs(dev, tiles)
-        return ((programs,), programs,
-                *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
-                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
-
-    memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
-            _tf32(x.dtype), _conf_key(config))
-    grid, programs, meta, meta_key = _plan(memo, build)
-    y = torch.empty((*lead, N) if lead else (M, N), device=dev, dtype=out_dtype)  # contiguous: strides (N, 1)
+    xs, ws, hs, us = x.stride(), w_kn.stride(), h.stride(), u_rn.stride()
+    call = (("gemm", x.get_device(), M, N, K, R, xs, ws, hs, us, x.dtype, w_kn.dtype, h.dtype, u_rn.dtype,
+             out_dtype, None if bias is None else bias.dtype, seed.dtype if has_dropout else None, _tf32(x.dtype))
+            if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed) else None)
+    plan = _call_memo.get(call) if call is not None else None
+    if plan is None:
+        plan = [*_gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma), None]
+        if call is not None:
+            _call_memo[call] = plan
+    grid, programs, tma, meta, meta_key, _ = plan
+    y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=out_dtype)  # contiguous: strides (N, 1)
     if tma and x.is_cuda:
         _ensure_allocator()
-    _SITES["gemm"](grid, (
+    _launch_planned(_SITES["gemm"], plan, 5, grid, (
         x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y,
         M, N, K, R,
-        x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), h.stride(0), h.stride(1),
-        u_rn.stride(0), u_rn.stride(1), N, 1,
+        xs[0], xs[1], ws[0], ws[1], hs[0], hs[1], us[0], us[1], N, 1,
         programs, float(l_scale), float(dropout_p),
     ), meta, meta_key)
     return y
 
 
-def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict], b_dtype: torch.dtype) -> tuple:
-    """(grid, partials P or 0, SPLIT_N, use TMA, whether b is read in ``b_dtype`` (else in dy's),
-    (bwd_db meta, key), meta, meta_key) of a bwd_dy launch."""
+def _bwd_dy_plan(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, config: Optional[dict]) -> list:
+    """[grid, partials P or 0, SPLIT_N, use TMA, whether b is read in its own dtype (else in dy's),
+    (bwd_db meta, key), meta, meta_key, bwd_dy's and bwd_db's launched kernels] of a bwd_dy launch,
+    memoized per call signature where it can be (``_call_memo``)."""
     M, N = dy.shape
-    dev, dtype = dy.device, dy.dtype
+    R = b.shape[1]
+    dev, dtype, b_dtype = dy.device, dy.dtype, b.dtype
+    call = (("bwd_dy", dy.get_device(), M, N, R, dy.stride(), b.stride(), h.stride(), dtype, b_dtype, h.dtype,
+             _tf32(dtype)) if config is None and _aligned(dy, b, h) else None)
+    plan = _call_memo.get(call) if call is not None else None
+    if plan is not None:
+        return plan
     tma_ok = _rows_tma_ready(dy)
 
     def build():
@@ -196,12 +252,16 @@ def _bwd_dy_plan(dy: torch.Tensor, R: int, config: Optional[dict], b_dtype: torc
                 *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
-    return _plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
+    plan = [*_plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build),
+            None, None]
+    if call is not None:
+        _call_memo[call] = plan
+    return plan
 
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
            *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None,
-           db_sum: Optional[torch.Tensor] = None, plan: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           db_sum: Optional[torch.Tensor] = None, plan: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
@@ -212,8 +272,8 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     M, N = dy.shape
     R = b.shape[1]
     dev = dy.device
-    plan = _bwd_dy_plan(dy, R, config, b.dtype) if plan is None else plan
-    grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = plan
+    plan = _bwd_dy_plan(dy, b, h, config) if plan is None else plan
+    grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = plan[:8]
     b_dtype = b.dtype  # db comes back in it
     if not b_fits:  # an fp32 b's tiles fit no config at this rank: read it in dy's dtype
         b = b.to(dy.dtype)
@@ -225,24 +285,32 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
         db_buf = torch.zeros((N, R), device=dev, dtype=torch.float32) if db_sum is None else db_sum
     if tma and dy.is_cuda:
         _ensure_allocator()
-    _SITES["bwd_dy"](grid, (
+    ds, bs, hs = dy.stride(), b.stride(), h.stride()
+    _launch_planned(_SITES["bwd_dy"], plan, 8, grid, (
         dy, b, h, dh, db_buf,
         M, N, R,
-        dy.stride(0), dy.stride(1), b.stride(0), b.stride(1), h.stride(0), h.stride(1),
+        ds[0], ds[1], bs[0], bs[1], hs[0], hs[1],
         float(scale),
-    ), meta, meta_key)
+    ), meta, meta_key, alike=_aligned(dh, db_buf))
     if not partials:
         return dh, db_buf if b_dtype == torch.float32 else db_buf.to(b_dtype)
     db = torch.empty((N, R), device=dev, dtype=b_dtype)
-    _SITES["bwd_db"]((triton.cdiv(N * R, db_meta["BLOCK"]),), (db_buf, db, N * R, partials, float(scale)),
-                     db_meta, db_meta_key)
+    _launch_planned(_SITES["bwd_db"], plan, 9, (triton.cdiv(N * R, db_meta["BLOCK"]),),
+                    (db_buf, db, N * R, partials, float(scale)), db_meta, db_meta_key)
     return dh, db
 
 
-def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[dict]) -> tuple:
-    """(grid, SPLIT_M, use TMA, meta, meta_key) of a bwd_da launch."""
+def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torch.Tensor],
+                 config: Optional[dict]) -> list:
+    """[grid, SPLIT_M, use TMA, meta, meta_key, the launched kernel] of a bwd_da launch, memoized
+    per call signature where it can be (``_call_memo``)."""
     M, K = x.shape
     dev, dtype = x.device, x.dtype
+    call = (("bwd_da", x.get_device(), M, K, R, x.stride(), dtype, seed.dtype if has_dropout else None, _tf32(dtype))
+            if config is None and _aligned(x, seed) else None)
+    plan = _call_memo.get(call) if call is not None else None
+    if plan is not None:
+        return plan
     tma_ok = _rows_tma_ready(x)
 
     def build():
@@ -251,12 +319,16 @@ def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[di
                 *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
-    return _plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)), build)
+    plan = [*_plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)),
+                   build), None]
+    if call is not None:
+        _call_memo[call] = plan
+    return plan
 
 
 def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
            *, config: Optional[dict] = None, da: Optional[torch.Tensor] = None,
-           plan: Optional[tuple] = None) -> torch.Tensor:
+           plan: Optional[list] = None) -> torch.Tensor:
     """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous fp32 (M, R), x (M, K).
 
     ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller. ``plan``:
@@ -265,18 +337,19 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
     M, K = x.shape
     R = dh.shape[1]
     has_dropout = dropout_p > 0
-    plan = _bwd_da_plan(x, R, has_dropout, config) if plan is None else plan
-    grid, split, tma, meta, meta_key = plan
+    plan = _bwd_da_plan(x, R, has_dropout, seed, config) if plan is None else plan
+    grid, split, tma, meta, meta_key = plan[:5]
     if da is None:
         da = (torch.empty if split == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
     if tma and x.is_cuda:
         _ensure_allocator()
-    _SITES["bwd_da"](grid, (
+    xs = x.stride()
+    _launch_planned(_SITES["bwd_da"], plan, 5, grid, (
         dh, x, seed if has_dropout else x, da,
         M, K, R,
-        x.stride(0), x.stride(1),
+        xs[0], xs[1],
         float(dropout_p),
-    ), meta, meta_key)
+    ), meta, meta_key, alike=_aligned(dh, da))
     return da
 
 
@@ -391,8 +464,8 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
         return dx, da, db
     # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both.
     # The plans are made once here and handed down (each lookup is host time at launch-bound M).
-    dy_plan = _bwd_dy_plan(dy, R, None, b.dtype)
-    da_plan = _bwd_da_plan(x, R, dropout_p > 0, None)
+    dy_plan = _bwd_dy_plan(dy, b, h, None)
+    da_plan = _bwd_da_plan(x, R, dropout_p > 0, seed, None)
     db_rows = N if shared_grads and not dy_plan[1] else 0  # db atomically summed: zeroed with the rest
     work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 or db_rows else torch.empty)(
         R * K + db_rows * R + M * R, device=x.device, dtype=torch.float32)

@@ -44,6 +44,9 @@ def _gemm_key(M: int, N: int, K: int, R: int, dtype: torch.dtype, w_kn: torch.Te
 _config_memo: dict[tuple, dict] = {}
 _choice_memo: dict[tuple, str] = {}
 _plan_memo: dict[tuple, tuple] = {}
+# a launcher's whole plan and launched kernel per call signature (shapes, strides, dtypes, flags
+# of 16-byte-aligned operands): [grid, ..., LaunchSite entry or None], one lookup per launch
+_call_memo: dict[tuple, list] = {}
 
 
 _MEMOS: list[dict] = []  # other kernel families' plan memos built from _config (lora_multi's)
@@ -54,6 +57,7 @@ def clear_memos() -> None:
     _config_memo.clear()
     _choice_memo.clear()
     _plan_memo.clear()
+    _call_memo.clear()
     for memo in _MEMOS:
         memo.clear()
     _cache.forget()
@@ -103,6 +107,15 @@ def _plan(memo_key: Optional[tuple], build) -> tuple:
     if plan is None:
         plan = _plan_memo[memo_key] = build()
     return plan
+
+
+def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Every given tensor starts on a 16-byte boundary (what Triton specializes pointers on)."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15 == 0
 
 
 def _meta(**meta: Any) -> tuple[dict, tuple]:

@@ -56,3 +56,53 @@ def test_layout_check_refuses_unkeyed_arguments(monkeypatch):
     with pytest.warns(RuntimeWarning):
         assert not site._layout_ok((torch.empty(1), 0.5, 3))  # a float where the key expects an int
     assert not site.fast
+
+
+class _FakeSite:
+    """Stands in for a LaunchSite: records which path launched, ``again`` succeeds while ``ok``."""
+
+    def __init__(self):
+        self.log, self.ok = [], True
+
+    def __call__(self, grid, args, meta, meta_key):
+        self.log.append("site")
+        return ("entry", len(self.log))
+
+    def again(self, entry, grid, args):
+        if self.ok:
+            self.log.append(("again", entry))
+        return self.ok
+
+
+def test_a_plan_keeps_the_kernel_it_launched_for_alike_calls():
+    """``_launch_planned``: the first call goes through the site and keeps its kernel in the plan;
+    alike calls relaunch it; a call whose outputs the plan does not describe (alike=False) takes
+    the site and leaves the kept kernel; a failed relaunch goes through the site and keeps anew."""
+    from fastaf.kernels.lora_linear import _launch_planned
+
+    site, plan = _FakeSite(), ["grid", None]
+    _launch_planned(site, plan, 1, (1,), (), {}, ())
+    assert site.log == ["site"] and plan[1] == ("entry", 1)
+    _launch_planned(site, plan, 1, (1,), (), {}, ())
+    assert site.log[-1] == ("again", ("entry", 1))
+    _launch_planned(site, plan, 1, (1,), (), {}, (), alike=False)
+    assert site.log[-1] == "site" and plan[1] == ("entry", 1)
+    site.ok = False
+    _launch_planned(site, plan, 1, (1,), (), {}, ())
+    assert site.log[-1] == "site" and plan[1] == ("entry", len(site.log))
+
+
+def test_clear_memos_forgets_the_call_plans():
+    from fastaf.kernels import lora_linear_plan as plan
+
+    plan._call_memo[("probe",)] = [None]
+    plan.clear_memos()
+    assert ("probe",) not in plan._call_memo
+
+
+def test_aligned_checks_every_given_pointer():
+    from fastaf.kernels.lora_linear_plan import _aligned
+
+    t = torch.zeros(64)
+    assert _aligned(t, None, t[4:])
+    assert not _aligned(t, t[1:])
