@@ -14,7 +14,8 @@ Liger-Kernel in first, as bench_e2e.py's ``--liger`` does.
 Diagnostics of the interception's share: ``pass-mode`` runs the base under a
 ``TorchFunctionMode`` that only forwards every call (the tax a mode spanning the call puts on
 each torch call of the model), and a ``-mode`` suffix runs a fastaf provider with its mode over
-the whole call instead of the weights carrying the adapter (``_call.CARRY = False``).
+the whole call instead of the weights carrying the adapter (``_call.CARRY = False``); any other
+suffix of bench_e2e's (``-shared``: q/k/v and gate/up take their h from one pass over x) likewise.
 (``weight-subclass`` in the diag-carry results was a first prototype of the carrier, since removed.)
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_e2e import TARGETS, _flagged, _liger, make_model  # noqa: E402
+from bench.bench_e2e import SUFFIXES, TARGETS, _flagged, _liger, make_model  # noqa: E402
 
 import fastaf as fa  # noqa: E402
 
@@ -41,11 +42,10 @@ class _PassMode(torch.overrides.TorchFunctionMode):
 
 def _phases(model, ids, provider: str):
     """(forward -> loss, params the optimizer steps or [])."""
-    if provider.endswith("-mode"):
-        from fastaf.functional import _call
-
-        forward, params = _phases(model, ids, provider.removesuffix("-mode"))
-        return _flagged(forward, _call, "CARRY", False), params
+    suffix = next((s for s in SUFFIXES if provider.startswith("fastaf") and provider.endswith(s)), None)
+    if suffix is not None:  # the same provider with a flag of bench_e2e's SUFFIXES set around its forward
+        forward, params = _phases(model, ids, provider.removesuffix(suffix))
+        return _flagged(forward, *SUFFIXES[suffix]), params
     if provider == "base":
         emb = model.get_input_embeddings()(ids).detach().requires_grad_()
         return (lambda: model(inputs_embeds=emb, labels=ids).loss), []

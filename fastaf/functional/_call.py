@@ -693,7 +693,7 @@ def scoped_call(
     if compiling:
         with mode:  # tracers see the mode alone (no hooks to register inside a graph)
             return run()
-    if CARRY and SHARE_INPUT != "always" and _carrier.eligible(model, mode, params):
+    if CARRY and _carrier.eligible(model, mode, params):
         # only calls that receive an adapted weight reach Python, not every torch call of the model
         with _carrier.carried(mode), _WeightWatch(mode, hooks=False):
             out = run()
