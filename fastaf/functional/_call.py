@@ -211,9 +211,23 @@ class _LoRAMode(TorchFunctionMode):
     def _view(self, t: Any) -> _Route | None:
         """The route whose weight ``t`` is a transposed view of (made during this call), or None."""
         if torch.compiler.is_compiling():
-            return next((route for route, view in self.views.values() if view is t), None)
+            route = next((route for route, view in self.views.values() if view is t), None)
+            return route if route is not None else self._transposed_base(t)
         view = self.views.get(id(t))
         return view[0] if view is not None and view[1] is t else None
+
+    def _transposed_base(self, t: Any) -> _Route | None:
+        """Traced: the route whose 2-D weight ``t`` is the transpose of, by its view base. Dynamo
+        takes ``W.T`` (FalconLinear's ``x @ self.weight.T``) without calling the mode, so no view
+        was recorded; the base and the reversed sizes and strides identify it."""
+        base = getattr(t, "_base", None) if isinstance(t, Tensor) else None
+        if base is None or t.dim() != 2 or base.dim() != 2:
+            return None
+        # the whole base, reversed (an offset view of that size would not fit in its storage)
+        if (t.shape[0], t.shape[1], t.stride(0), t.stride(1)) != (base.shape[1], base.shape[0], base.stride(1),
+                                                                   base.stride(0)):
+            return None
+        return self._route(base)
 
     def _as_kn(self, t: Any) -> tuple[_Route, Tensor] | tuple[None, None]:
         """(route, its (N, K) weight) when ``t`` is a routed weight laid out (K, N), as the right
@@ -468,16 +482,16 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
             raise ValueError(f"{path} and {routes[id(weight)].path} share one weight tensor; adapt only one")
         routes[id(weight)] = _Route(path, module, weight, lora, spec, name)
     _link_siblings(routes)
-    if check:
-        for path, module in modules.items():
-            route = routes.get(id(getattr(module, "weight", None)))
-            if route is not None and route.module is not module:
-                if linear_spec(module):
-                    raise ValueError(
-                        f"{route.path} is adapted but its weight is tied to {path}, which would "
-                        "get the same LoRA; adapt both or neither"
-                    )
-                route.tied = True  # an embedding's too: its uses there stay the base weight's
+    # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
+    for path, module in modules.items():
+        route = routes.get(id(getattr(module, "weight", None)))
+        if route is not None and route.module is not module:
+            if check and linear_spec(module):
+                raise ValueError(
+                    f"{route.path} is adapted but its weight is tied to {path}, which would "
+                    "get the same LoRA; adapt both or neither"
+                )
+            route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes
 
 

@@ -34,20 +34,10 @@ def _smem_limit(device: torch.device) -> int:
     return _device_info(device.index)[3] if device.type == "cuda" else 1 << 30
 
 
-# Global scratch of the launches, per (device, stream): kernels on one stream run one after the
-# other, so a launch may write its descriptors where the previous launch's were (an allocation
-# per launch was ~3 us of host time, 3-4 launches per adapted layer and step).
-_scratch: dict[tuple[int, Optional[int]], torch.Tensor] = {}
-
-
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
-    device = torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing():  # a CUDA graph keeps its own: never shared with eager launches
-        return torch.empty(size, device=device, dtype=torch.int8)
-    buf = _scratch.get((device, stream))
-    if buf is None or buf.numel() < size:  # torch's allocator, not CUDA, frees a smaller one: stream-ordered
-        buf = _scratch[(device, stream)] = torch.empty(max(size, 1 << 16), device=device, dtype=torch.int8)
-    return buf
+    # a fresh block per launch, from the caching allocator: a buffer kept across launches could be
+    # a CUDA-graph pool's block (cudagraph trees warm up in their pool without capturing)
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_allocator() -> None:
