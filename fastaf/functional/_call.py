@@ -348,7 +348,8 @@ def _check_foldable(route: _Route, use: Any) -> None:
     """A linear weight's use with no fused rule computes with W + ΔW: exact without LoRA dropout
     (which applies to the LoRA path's input, not to a weight); warned once per path and use,
     eagerly (under torch.compile a warning would break the graph)."""
-    if torch.compiler.is_compiling():  # dynamo answers a torch function's __name__ with a descriptor's;
+    traced = torch.compiler.is_compiling()
+    if traced:  # dynamo answers a torch function's __name__ with a descriptor's;
         name = "a call"  # its error shows the model's source line instead
     else:
         name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
@@ -358,7 +359,7 @@ def _check_foldable(route: _Route, use: Any) -> None:
             f"LoRA rule takes, so fastaf would compute with W + scale·B@A; LoRA dropout "
             f"({route.lora.dropout}) cannot apply to a merged weight: use dropout 0 for this module, or eval()"
         )
-    if not torch.compiler.is_compiling() and (route.path, name) not in _warned_folds:  # traced: a break
+    if not traced and (route.path, name) not in _warned_folds:  # traced, a warning breaks the graph
         _warned_folds.add((route.path, name))
         warnings.warn(
             f"fastaf: {route.path} ({type(route.module).__name__}) uses its weight through {name}, which no "

@@ -48,7 +48,7 @@ from fastaf.kernels.lora_linear_configs import DEFAULTS, INTERPRET
 from fastaf.kernels.lora_linear_kernels import (_lora_linear_bwd_da_kernel, _lora_linear_bwd_db_kernel,
                                                 _lora_linear_bwd_dy_kernel, _lora_linear_fwd_h_kernel,
                                                 _lora_linear_gemm_kernel)
-from fastaf.kernels.lora_linear_plan import (_aligned, _call_memo, _choose, _conf_key, _config, _dot_precision, _elt,
+from fastaf.kernels.lora_linear_plan import (_aligned, _call_plan, _choose, _conf_key, _config, _dot_precision, _elt,
                                              _gemm_key, _key, _meta, _num_programs, _plan, _r_pad, _skinny_conf,
                                              _tf32)
 
@@ -140,11 +140,7 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
     call = (("fwd_h", x.get_device(), M, K, R, x.stride(), a.stride(), dtype, a.dtype,
              seed.dtype if has_dropout else None, _tf32(dtype))
             if config is None and _aligned(x, a, seed) else None)
-    plan = _call_memo.get(call) if call is not None else None
-    if plan is None:
-        plan = [*_fwd_h_plan(x, a, has_dropout, config), None]
-        if call is not None:
-            _call_memo[call] = plan
+    plan = _call_plan(call, lambda: _fwd_h_plan(x, a, has_dropout, config))
     grid, tma, a_fits, meta, meta_key, _ = plan
     if not a_fits:  # an fp32 a's tiles fit no config at this rank: read it in x's dtype
         a = a.to(dtype)
@@ -209,11 +205,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     call = (("gemm", x.get_device(), M, N, K, R, xs, ws, hs, us, x.dtype, w_kn.dtype, h.dtype, u_rn.dtype,
              out_dtype, None if bias is None else bias.dtype, seed.dtype if has_dropout else None, _tf32(x.dtype))
             if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed) else None)
-    plan = _call_memo.get(call) if call is not None else None
-    if plan is None:
-        plan = [*_gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma), None]
-        if call is not None:
-            _call_memo[call] = plan
+    plan = _call_plan(call, lambda: _gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma))
     grid, programs, tma, meta, meta_key, _ = plan
     y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=out_dtype)  # contiguous: strides (N, 1)
     if tma and x.is_cuda:
@@ -233,12 +225,16 @@ def _bwd_dy_plan(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, config: Opt
     memoized per call signature where it can be (``_call_memo``)."""
     M, N = dy.shape
     R = b.shape[1]
-    dev, dtype, b_dtype = dy.device, dy.dtype, b.dtype
+    dtype, b_dtype = dy.dtype, b.dtype
     call = (("bwd_dy", dy.get_device(), M, N, R, dy.stride(), b.stride(), h.stride(), dtype, b_dtype, h.dtype,
              _tf32(dtype)) if config is None and _aligned(dy, b, h) else None)
-    plan = _call_memo.get(call) if call is not None else None
-    if plan is not None:
-        return plan
+    return _call_plan(call, lambda: _bwd_dy_launch_plan(dy, R, b_dtype, config), slots=2)
+
+
+def _bwd_dy_launch_plan(dy: torch.Tensor, R: int, b_dtype: torch.dtype, config: Optional[dict]) -> tuple:
+    """``_bwd_dy_plan``'s entries before the kernel slots, by config and shape (``_plan``)."""
+    M, N = dy.shape
+    dev, dtype = dy.device, dy.dtype
     tma_ok = _rows_tma_ready(dy)
 
     def build():
@@ -252,11 +248,7 @@ def _bwd_dy_plan(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, config: Opt
                 *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
-    plan = [*_plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build),
-            None, None]
-    if call is not None:
-        _call_memo[call] = plan
-    return plan
+    return _plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
 
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
@@ -305,12 +297,16 @@ def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torc
     """[grid, SPLIT_M, use TMA, meta, meta_key, the launched kernel] of a bwd_da launch, memoized
     per call signature where it can be (``_call_memo``)."""
     M, K = x.shape
-    dev, dtype = x.device, x.dtype
+    dtype = x.dtype
     call = (("bwd_da", x.get_device(), M, K, R, x.stride(), dtype, seed.dtype if has_dropout else None, _tf32(dtype))
             if config is None and _aligned(x, seed) else None)
-    plan = _call_memo.get(call) if call is not None else None
-    if plan is not None:
-        return plan
+    return _call_plan(call, lambda: _bwd_da_launch_plan(x, R, has_dropout, config))
+
+
+def _bwd_da_launch_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[dict]) -> tuple:
+    """``_bwd_da_plan``'s entries before the kernel slot, by config and shape (``_plan``)."""
+    M, K = x.shape
+    dev, dtype = x.device, x.dtype
     tma_ok = _rows_tma_ready(x)
 
     def build():
@@ -319,11 +315,7 @@ def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torc
                 *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
-    plan = [*_plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)),
-                   build), None]
-    if call is not None:
-        _call_memo[call] = plan
-    return plan
+    return _plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)), build)
 
 
 def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],

@@ -109,6 +109,17 @@ def _plan(memo_key: Optional[tuple], build) -> tuple:
     return plan
 
 
+def _call_plan(call: Optional[tuple], build, slots: int = 1) -> list:
+    """The plan of a launcher's call with signature ``call`` (None: not memoized), made by
+    ``build()`` on a miss and memoized with ``slots`` trailing places for the kernels launched."""
+    plan = _call_memo.get(call) if call is not None else None
+    if plan is None:
+        plan = [*build(), *(None,) * slots]
+        if call is not None:
+            _call_memo[call] = plan
+    return plan
+
+
 def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
     """Every given tensor starts on a 16-byte boundary (what Triton specializes pointers on)."""
     bits = 0
