@@ -128,7 +128,8 @@ def _assert_close(a: fa.Adapter, b: fa.Adapter, what: str) -> None:
         assert a[path].scale == b[path].scale, what
 
 
-def test_fsdp2_and_data_parallel_match_one_process(tmp_path):
+def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
     torch.set_num_threads(1)

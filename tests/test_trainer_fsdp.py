@@ -103,7 +103,8 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_trainer_fsdp2_trains_like_one_process_and_rank_0_saves_one_adapter(tmp_path):
+def test_trainer_fsdp2_trains_like_one_process_and_rank_0_saves_one_adapter(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
     reference = _train(str(tmp_path / "reference"), BATCH)  # one process, the global batch

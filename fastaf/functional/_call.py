@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._functorch import pyfunctorch
 from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
@@ -219,7 +220,9 @@ class _LoRAMode(TorchFunctionMode):
     def _transposed_base(self, t: Any) -> _Route | None:
         """Traced: the route whose 2-D weight ``t`` is the transpose of, by its view base. Dynamo
         takes ``W.T`` (FalconLinear's ``x @ self.weight.T``) without calling the mode, so no view
-        was recorded; the base and the reversed sizes and strides identify it."""
+        was recorded; the base and the reversed sizes and strides identify it. Under
+        ``torch.func.grad`` the transpose ran at the grad level: its base is that level's wrapper
+        of the weight, unwrapped once (at the innermost transform's level) to compare."""
         base = getattr(t, "_base", None) if isinstance(t, Tensor) else None
         if base is None or t.dim() != 2 or base.dim() != 2:
             return None
@@ -227,7 +230,11 @@ class _LoRAMode(TorchFunctionMode):
         if (t.shape[0], t.shape[1], t.stride(0), t.stride(1)) != (base.shape[1], base.shape[0], base.stride(1),
                                                                    base.stride(0)):
             return None
-        return self._route(base)
+        route = self._route(base)
+        if route is None and torch._C._functorch.peek_interpreter_stack() is not None:
+            level = pyfunctorch.retrieve_current_functorch_interpreter().level()  # dynamo traces these two
+            route = self._route(torch._C._functorch._unwrap_for_grad(base, level))
+        return route
 
     def _as_kn(self, t: Any) -> tuple[_Route, Tensor] | tuple[None, None]:
         """(route, its (N, K) weight) when ``t`` is a routed weight laid out (K, N), as the right
@@ -349,10 +356,9 @@ def _check_foldable(route: _Route, use: Any) -> None:
     (which applies to the LoRA path's input, not to a weight); warned once per path and use,
     eagerly (under torch.compile a warning would break the graph)."""
     traced = torch.compiler.is_compiling()
-    if traced:  # dynamo answers a torch function's __name__ with a descriptor's;
-        name = "a call"  # its error shows the model's source line instead
-    else:
-        name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
+    name = getattr(use, "__qualname__", None) or getattr(use, "__name__", None) or str(use)
+    if traced or "descriptor" in name:  # dynamo answers a torch function's __name__ with a
+        name = "a call"  # descriptor's (torch 2.11: even where is_compiling() is False); its error shows the source line
     if route.module.training and route.lora.dropout:
         raise ValueError(
             f"{route.path} ({type(route.module).__name__}) uses its weight through {name}, which no fused "
@@ -485,7 +491,9 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
     _link_siblings(routes)
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
-        route = routes.get(id(getattr(module, "weight", None)))
+        weight = getattr(module, "weight", None)
+        # a module without one: dynamo (torch 2.11) cannot trace id(None)
+        route = routes.get(id(weight)) if isinstance(weight, Tensor) else None
         if route is not None and route.module is not module:
             if check and linear_spec(module):
                 raise ValueError(
