@@ -16,6 +16,8 @@ Diagnostics of the interception's share: ``pass-mode`` runs the base under a
 each torch call of the model), and a ``-mode`` suffix runs a fastaf provider with its mode over
 the whole call instead of the weights carrying the adapter (``_call.CARRY = False``); any other
 suffix of bench_e2e's (``-shared``: q/k/v and gate/up take their h from one pass over x) likewise.
+``-cublas`` / ``-cublasfwd`` dispatch every adapted layer to cuBLAS instead of Triton, in forward
+and backward / in forward only (``diag-host-cublas-*``: both cost more host time, not less).
 (``weight-subclass`` in the diag-carry results was a first prototype of the carrier, since removed.)
 """
 from __future__ import annotations
@@ -40,8 +42,30 @@ class _PassMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# ``-cublas`` / ``-cublasfwd``: the same provider with every adapted layer's kernels dispatched to
+# cuBLAS (``impl`` "addmm" of fastaf.kernels: aten ops, no Triton launch), in forward and
+# backward / in forward only: whether fewer host µs per layer pay for more GPU passes.
+_CUBLAS = {"-cublas": ("fwd", "bwd"), "-cublasfwd": ("fwd",)}
+_forced: tuple = ()
+
+
+def _force_cublas() -> None:
+    """Route fastaf.kernels.lora_linear's dispatch through ``_forced`` (empty: as shipped)."""
+    from fastaf.kernels import lora_linear
+
+    shipped = lora_linear._choose
+
+    def choose(impl, phase, x, M, K, N, R):
+        return "addmm" if phase in _forced and impl == "auto" else shipped(impl, phase, x, M, K, N, R)
+
+    lora_linear._choose = choose
+
+
 def _phases(model, ids, provider: str):
     """(forward -> loss, params the optimizer steps or [])."""
+    suffix = next((s for s in _CUBLAS if provider.endswith(s)), None)
+    if suffix is not None:  # providers alternate step by step: the phases are set per step (measure)
+        return _phases(model, ids, provider.removesuffix(suffix))
     suffix = next((s for s in SUFFIXES if provider.startswith("fastaf") and provider.endswith(s)), None)
     if suffix is not None:  # the same provider with a flag of bench_e2e's SUFFIXES set around its forward
         forward, params = _phases(model, ids, provider.removesuffix(suffix))
@@ -109,9 +133,16 @@ def measure(model, ids, providers: list[str], steps: int) -> dict[str, dict]:
         forward, params = _phases(model, ids, name)
         built[name] = (forward, torch.optim.AdamW(params, lr=1e-4, fused=ids.is_cuda) if params else None)
     rows: dict[str, list] = {name: [] for name in providers}
+    global _forced
+    if any(name.endswith(s) for name in providers for s in _CUBLAS):
+        _force_cublas()
     for i in range(steps + 3):
         for name, (forward, opt) in built.items():
-            times = _timed_step(forward, opt)
+            _forced = next((v for s, v in _CUBLAS.items() if name.endswith(s)), ())
+            try:
+                times = _timed_step(forward, opt)
+            finally:
+                _forced = ()
             if i >= 3:
                 rows[name].append(times)
     return {name: dict(zip(_PHASES, (sorted(col)[len(col) // 2] * 1e3 for col in zip(*r))))
