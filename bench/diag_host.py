@@ -17,7 +17,8 @@ each torch call of the model), and a ``-mode`` suffix runs a fastaf provider wit
 the whole call instead of the weights carrying the adapter (``_call.CARRY = False``); any other
 suffix of bench_e2e's (``-shared``: q/k/v and gate/up take their h from one pass over x) likewise.
 ``-cublas`` / ``-cublasfwd`` dispatch every adapted layer to cuBLAS instead of Triton, in forward
-and backward / in forward only (``diag-host-cublas-*``: both cost more host time, not less).
+and backward / in forward only (``diag-host-cublas-*``: both cost more host time, not less);
+``-nographs`` makes every launch (``fastaf.kernels._graphs`` off for its steps).
 (``weight-subclass`` in the diag-carry results was a first prototype of the carrier, since removed.)
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_e2e import SUFFIXES, TARGETS, _flagged, _liger, make_model  # noqa: E402
 
 import fastaf as fa  # noqa: E402
+from fastaf.kernels import _graphs  # noqa: E402
 
 
 class _PassMode(torch.overrides.TorchFunctionMode):
@@ -47,6 +49,8 @@ class _PassMode(torch.overrides.TorchFunctionMode):
 # backward / in forward only: whether fewer host µs per layer pay for more GPU passes.
 _CUBLAS = {"-cublas": ("fwd", "bwd"), "-cublasfwd": ("fwd",)}
 _forced: tuple = ()
+# ``-nographs``: the provider with every launch made (fastaf.kernels._graphs off), step by step
+_NOGRAPHS = "-nographs"
 
 
 def _force_cublas() -> None:
@@ -63,7 +67,7 @@ def _force_cublas() -> None:
 
 def _phases(model, ids, provider: str):
     """(forward -> loss, params the optimizer steps or [])."""
-    suffix = next((s for s in _CUBLAS if provider.endswith(s)), None)
+    suffix = next((s for s in (*_CUBLAS, _NOGRAPHS) if provider.endswith(s)), None)
     if suffix is not None:  # providers alternate step by step: the phases are set per step (measure)
         return _phases(model, ids, provider.removesuffix(suffix))
     suffix = next((s for s in SUFFIXES if provider.startswith("fastaf") and provider.endswith(s)), None)
@@ -139,10 +143,11 @@ def measure(model, ids, providers: list[str], steps: int) -> dict[str, dict]:
     for i in range(steps + 3):
         for name, (forward, opt) in built.items():
             _forced = next((v for s, v in _CUBLAS.items() if name.endswith(s)), ())
+            _graphs.GRAPHS.enabled = not name.endswith(_NOGRAPHS)
             try:
                 times = _timed_step(forward, opt)
             finally:
-                _forced = ()
+                _forced, _graphs.GRAPHS.enabled = (), True
             if i >= 3:
                 rows[name].append(times)
     return {name: dict(zip(_PHASES, (sorted(col)[len(col) // 2] * 1e3 for col in zip(*r))))
@@ -170,6 +175,9 @@ def main() -> None:
     for name, r in measure(model, ids, args.providers.split(","), args.steps).items():
         print(f"  {name:16s} {r['forward']:8.2f} {r['backward']:9.2f} {r['optimizer']:7.2f} {r['gpu_tail']:9.2f} "
               f"{r['step']:8.2f} {r['fwd_cpu']:8.2f}", flush=True)
+    g = _graphs.GRAPHS
+    print(f"  launch graphs: {len(g.graphs)} kept, {g.captures} captured, {g.replays} replays, "
+          f"enabled {g.enabled}", flush=True)
     if args.profile:
         profile(model, ids, args.profile, args.top)
 

@@ -461,7 +461,8 @@ def _direct_fwd(x2, weight, bias, a, b, scale, dropout_p, seed, impl, triton: bo
     registered op, whose vmap rule reaches the grouped path). ``lead``: the kernels may make y
     (*lead, N) directly (the caller's leading dims)."""
     if triton:
-        return _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl, lead=lead)
+        return _kernels().lora_linear_fwd_unchecked(x2, weight, bias, a, b, scale, dropout_p, seed, impl, lead=lead,
+                                                    graphed=True)
     fwd = reference_fwd if _direct_ok(x2, weight, bias, a, b) else torch.ops.fastaf.lora_linear_fwd
     extra = () if fwd is reference_fwd else (impl,)
     y, h = fwd(x2[None], weight[None], _opt(bias), a[None], b[None], scale, dropout_p, seed, *extra)
@@ -472,7 +473,7 @@ def _direct_bwd(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl
     """(dx (M, K) or empty, dA (R, K), dB (N, R)), as ``_direct_fwd`` chooses its path."""
     if triton:
         return _kernels().lora_linear_bwd_unchecked(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl,
-                                                    shared_grads=True)
+                                                    shared_grads=True, graphed=True)
     plain = _direct_ok(dy2, x2, weight, a, b, h)
     bwd = reference_bwd if plain else torch.ops.fastaf.lora_linear_bwd
     extra = () if plain else (impl,)

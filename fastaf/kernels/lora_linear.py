@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import triton
 
-from fastaf.kernels import _launch
+from fastaf.kernels import _graphs, _launch
 from fastaf.kernels._device import _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d
 from fastaf.kernels._device import available  # noqa: F401 - fastaf.functional asks lora_linear.available
 from fastaf.kernels.dropout_hash import keep_mask
@@ -131,8 +131,9 @@ def _launch_planned(site: _launch.LaunchSite, plan: list, slot: int, grid: tuple
 
 
 def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
-          *, config: Optional[dict] = None) -> torch.Tensor:
-    """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K)."""
+          *, config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K). ``out``: h's contiguous
+    (M, R) buffer, allocated by the caller (a graphed call: ``_graphs``)."""
     M, K = x.shape
     R = a.shape[0]
     dtype, has_dropout = x.dtype, dropout_p > 0
@@ -144,7 +145,7 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
     grid, tma, a_fits, meta, meta_key, _ = plan
     if not a_fits:  # an fp32 a's tiles fit no config at this rank: read it in x's dtype
         a = a.to(dtype)
-    h = torch.empty((M, R), device=x.device, dtype=dtype)
+    h = torch.empty((M, R), device=x.device, dtype=dtype) if out is None else out
     if tma and x.is_cuda:
         _ensure_allocator()
     xs, as_ = x.stride(), a.stride()
@@ -153,7 +154,7 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
         M, K, R,
         xs[0], xs[1], as_[0], as_[1], R, 1,
         float(dropout_p),
-    ), meta, meta_key)
+    ), meta, meta_key, alike=out is None or _aligned(out))
     return h
 
 
@@ -189,13 +190,15 @@ def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: 
 
 def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
          l_scale: float, dropout_p: float, seed: Optional[torch.Tensor], out_dtype: torch.dtype,
-         *, config: Optional[dict] = None, use_tma: Optional[bool] = None, lead: tuple = ()) -> torch.Tensor:
+         *, config: Optional[dict] = None, use_tma: Optional[bool] = None, lead: tuple = (),
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ w_kn + bias + [keep/(1-p) *] (l_scale * h) @ u_rn, (M, N) in ``out_dtype``.
 
     x (M, K); w_kn (K, N) any strides (a transposed view is fine); h (M, R) any float dtype;
     u_rn (R, N) any strides; bias (N,) or None. The dropout mask is that of an (M, N) input.
     ``lead``: y is allocated (*lead, N) instead (prod(lead) == M, contiguous: the same memory),
-    which spares a caller's reshape of a flattened input's output.
+    which spares a caller's reshape of a flattened input's output. ``out``: y's contiguous buffer
+    of that shape, allocated by the caller (a graphed call: ``_graphs``).
     """
     M, K = x.shape
     N = w_kn.shape[1]
@@ -207,7 +210,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
             if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed) else None)
     plan = _call_plan(call, lambda: _gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma))
     grid, programs, tma, meta, meta_key, _ = plan
-    y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=out_dtype)  # contiguous: strides (N, 1)
+    y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=out_dtype) if out is None else out
     if tma and x.is_cuda:
         _ensure_allocator()
     _launch_planned(_SITES["gemm"], plan, 5, grid, (
@@ -215,7 +218,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
         M, N, K, R,
         xs[0], xs[1], ws[0], ws[1], hs[0], hs[1], us[0], us[1], N, 1,
         programs, float(l_scale), float(dropout_p),
-    ), meta, meta_key)
+    ), meta, meta_key, alike=out is None or _aligned(out))
     return y
 
 
@@ -253,13 +256,16 @@ def _bwd_dy_launch_plan(dy: torch.Tensor, R: int, b_dtype: torch.dtype, config: 
 
 def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
            *, config: Optional[dict] = None, dh: Optional[torch.Tensor] = None,
-           db_sum: Optional[torch.Tensor] = None, plan: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           db_sum: Optional[torch.Tensor] = None, plan: Optional[list] = None,
+           db_out: Optional[torch.Tensor] = None, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, db) = (s * dy @ b as fp32 (M, R), s * dy.T @ h in b's dtype (N, R)). dy (M, N), b (N, R), h (M, R).
 
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
     backward zero dh and da with one memset). ``db_sum``: likewise db's fp32 (N, R) atomic
     accumulator, zero-filled by the caller; used where the plan adds db atomically (no partials).
-    ``plan``: ``_bwd_dy_plan``'s, when the caller has it.
+    ``plan``: ``_bwd_dy_plan``'s, when the caller has it. ``db_out``: db's (N, R) buffer in b's
+    dtype where the plan sums partials (a graphed call allocates every output before). ``cast``
+    False: an atomically summed db comes back fp32 (the graphed caller casts it outside the graph).
     """
     M, N = dy.shape
     R = b.shape[1]
@@ -285,8 +291,8 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
         float(scale),
     ), meta, meta_key, alike=_aligned(dh, db_buf))
     if not partials:
-        return dh, db_buf if b_dtype == torch.float32 else db_buf.to(b_dtype)
-    db = torch.empty((N, R), device=dev, dtype=b_dtype)
+        return dh, db_buf if b_dtype == torch.float32 or not cast else db_buf.to(b_dtype)
+    db = torch.empty((N, R), device=dev, dtype=b_dtype) if db_out is None else db_out
     _launch_planned(_SITES["bwd_db"], plan, 9, (triton.cdiv(N * R, db_meta["BLOCK"]),),
                     (db_buf, db, N * R, partials, float(scale)), db_meta, db_meta_key)
     return dh, db
@@ -379,21 +385,45 @@ def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                               a: torch.Tensor, b: torch.Tensor, scale: float, dropout_p: float,
                               seed: Optional[torch.Tensor], impl: str, *,
-                              lead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                              lead: tuple = (), graphed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``lora_linear_fwd`` without its input checks, for callers that validated already.
 
     fastaf's eager op path checks once at the public function: the checks here cost ~10 us of
     host time per call, which counts where M=2048 calls are host-bound. ``lead``: the Triton
     GEMM allocates y as (*lead, N) (the caller's leading dims, prod(lead) == M); cuBLAS's stays
-    (M, N).
+    (M, N). ``graphed``: the two Triton launches may replay from a CUDA graph (``_graphs``; the
+    eager op path sets it, whose outputs nothing else writes).
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     choice = _choose(impl, "fwd", x, M, K, N, R)
+    if choice == "triton" and graphed and _graphs.usable(x):
+        return _graphed_fwd(x, weight, bias, a, b, scale, dropout_p, seed, lead)
     if choice == "addmm":
         h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.to(x.dtype).T  # (M, R)
     else:
         h = fwd_h(x, a, dropout_p, seed)  # (M, R)
     return _up(choice, x, weight, bias, h, b, scale, lead), h
+
+
+def _graphed_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
+                 b: torch.Tensor, scale: float, dropout_p: float, seed: Optional[torch.Tensor],
+                 lead: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton forward's two launches as one graph replay where this call was seen before."""
+    (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
+    h = torch.empty((M, R), device=x.device, dtype=x.dtype)
+    y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=x.dtype)
+    # everything the two launches read or write (module docstring of _graphs)
+    key = ("fwd", x.data_ptr(), M, K, x.stride(), x.dtype, weight.data_ptr(), N, weight.stride(),
+           None if bias is None else (bias.data_ptr(), bias.stride()), a.data_ptr(), R, a.stride(), a.dtype,
+           b.data_ptr(), b.stride(), b.dtype, 0 if seed is None else seed.data_ptr(), h.data_ptr(), y.data_ptr(),
+           scale, dropout_p, _tf32(x.dtype))
+
+    def launch() -> None:
+        fwd_h(x, a, dropout_p, seed, out=h)
+        gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype, out=y)
+
+    _graphs.GRAPHS.run(key, x.get_device(), launch)
+    return y, h
 
 
 def _up(choice: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
@@ -429,12 +459,14 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: 
 def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor,
                               b: torch.Tensor, h: torch.Tensor, scale: float, dropout_p: float,
                               seed: Optional[torch.Tensor], needs_dx: bool, impl: str, *,
-                              shared_grads: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                              shared_grads: bool = False,
+                              graphed: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """``lora_linear_bwd`` without its input checks, for callers that validated already.
 
     ``shared_grads``: da and db may be views of one buffer (one zero-fill launch less, ~15 us of
     host time per layer). Plain autograd takes them as they are; a custom op may not return
-    outputs that share storage, so the registered ops leave it False.
+    outputs that share storage, so the registered ops leave it False. ``graphed`` (with
+    ``shared_grads``): the memset and the Triton launches may replay from a CUDA graph (``_graphs``).
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
@@ -458,6 +490,8 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     # The plans are made once here and handed down (each lookup is host time at launch-bound M).
     dy_plan = _bwd_dy_plan(dy, b, h, None)
     da_plan = _bwd_da_plan(x, R, dropout_p > 0, seed, None)
+    if graphed and shared_grads and _graphs.usable(x):
+        return _graphed_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, dy_plan, da_plan)
     db_rows = N if shared_grads and not dy_plan[1] else 0  # db atomically summed: zeroed with the rest
     work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 or db_rows else torch.empty)(
         R * K + db_rows * R + M * R, device=x.device, dtype=torch.float32)
@@ -469,6 +503,43 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     da = bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)  # fp32 (R, K)
     dx = gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype) if needs_dx else None  # (M, K)
     return dx, da if a.dtype == torch.float32 else da.to(a.dtype), db
+
+
+def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 h: torch.Tensor, scale: float, dropout_p: float, seed: Optional[torch.Tensor], needs_dx: bool,
+                 dy_plan: list, da_plan: list) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``lora_linear_bwd_unchecked``'s Triton path (shared_grads) with its memset and launches as
+    one graph replay where this call was seen before. Every output is allocated here, before."""
+    (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
+    dev = x.device
+    partials = dy_plan[1]
+    db_rows = 0 if partials else N  # db atomically summed into the zeroed buffer, or its partials summed
+    zero = dy_plan[2] > 1 or da_plan[1] > 1 or db_rows
+    end = R * K + db_rows * R
+    work = torch.empty(end + M * R, device=dev, dtype=torch.float32)  # da, db (atomic), dh: as the eager path
+    db_out = torch.empty((N, R), device=dev, dtype=b.dtype) if partials else None
+    dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
+    key = ("bwd", dy.data_ptr(), M, N, dy.stride(), dy.dtype, x.data_ptr(), K, x.stride(), x.dtype, weight.data_ptr(),
+           weight.stride(), a.data_ptr(), R, a.stride(), a.dtype, b.data_ptr(), b.stride(), b.dtype, h.data_ptr(),
+           h.stride(), h.dtype, 0 if seed is None else seed.data_ptr(), work.data_ptr(),
+           0 if db_out is None else db_out.data_ptr(), 0 if dx is None else dx.data_ptr(), scale, dropout_p,
+           _tf32(x.dtype))
+
+    def launch() -> None:
+        if zero:
+            work.zero_()
+        dh, _ = bwd_dy(dy, b, h, scale, dh=work[end:].view(M, R),
+                       db_sum=work[R * K:end].view(N, R) if db_rows else None, plan=dy_plan, db_out=db_out,
+                       cast=False)
+        bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)
+        if needs_dx:
+            gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype, out=dx)
+
+    _graphs.GRAPHS.run(key, dev.index, launch)
+    da = work[:R * K].view(R, K)
+    db = db_out if partials else work[R * K:end].view(N, R)
+    return (dx, da if a.dtype == torch.float32 else da.to(a.dtype),
+            db if db.dtype == b.dtype else db.to(b.dtype))
 
 
 # ---- projections that share one input (q/k/v, gate/up): h and dA in one pass over x each ----

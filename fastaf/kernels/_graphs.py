@@ -1,0 +1,118 @@
+"""An eager call's launches replayed from a CUDA graph: one host call where the call made 2-4.
+
+An eager LoRA step on a fast base (a Liger-Kernel-patched model) is host-bound: an adapted
+layer's forward makes two Triton launches and its backward a memset and three, each ~9-13 us in
+Triton's launcher plus fastaf's planning around it (``bench/diag_launch.py``). In a training loop
+a layer runs step after step on buffers at the same addresses (the caching allocator hands out
+the same blocks for the same sequence of allocations), so one call's launches are the same
+kernels with the same arguments each step. ``LaunchGraphs.run`` captures them into a CUDA graph
+at the third sighting of a call's key and replays the graph from then on.
+
+The caller's key names everything the launches read or write: every tensor's address, shape,
+strides and dtype, every float. Every buffer a caller keeps (outputs, gradients) is allocated
+by the caller before, outside the graph; inside, the launches may allocate only temporaries
+(Triton's TMA scratch, a factor cast), which come from one private memory pool shared by the
+graphs of a device, so two graphs may share a temporary's block: safe because every replay runs
+on the device's default stream, in order. A key seen once or twice (addresses that never
+repeat) costs a dict entry; a capture that fails turns graphs off for the process, warned once, and the call
+launches normally.
+
+``usable`` says where replays are safe: a CUDA tensor, the current stream the legacy default one
+(no user stream, no stream capture of the user's under way: theirs would record our launches), no
+Triton launch hook (a profiler's), and ``FASTAF_LAUNCH_GRAPHS`` not "0".
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any, Callable, Hashable
+
+import torch
+
+from fastaf.kernels import _launch
+
+# graphs kept per process; beyond it calls launch as before (a loop whose addresses drift): this
+# bounds what captures that are never replayed can cost (~0.1-1 ms each, once)
+_CAPACITY = 4096
+_SIGHTINGS = 2  # launches of a key before its capture: a key that recurs only once is not captured
+
+
+class LaunchGraphs:
+    """CUDA graphs of eager calls' launches, by the callers' keys."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.seen: dict[Hashable, int] = {}  # key -> its calls launched so far
+        self.pools: dict[int, Any] = {}  # device -> the memory pool its graphs share
+        self.streams: dict[int, torch.cuda.Stream] = {}  # device -> the side stream captures run on
+        self.enabled = os.environ.get("FASTAF_LAUNCH_GRAPHS", "1") != "0"
+        self.replays = self.captures = 0  # tests and diagnostics read them
+        self._lock = threading.Lock()  # one capture at a time (the backward runs on autograd's thread)
+
+    def run(self, key: Hashable, device: int, launch: Callable[[], Any]) -> None:
+        """Run ``launch`` (kernel launches into buffers allocated before) or the graph of an
+        earlier call with this ``key`` on ``device``, the current device."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        launched = self.seen.get(key, 0)
+        if launched < _SIGHTINGS or len(self.graphs) >= _CAPACITY:
+            if launched == 0 and len(self.seen) >= _CAPACITY:  # addresses that drift: forget, not grow
+                self.seen.clear()
+            self.seen[key] = launched + 1
+            launch()
+            return
+        del self.seen[key]
+        with self._lock:
+            graph = self._capture(device, launch)
+        if graph is None:
+            launch()
+            return
+        self.graphs[key] = graph
+        self.captures += 1
+        graph.replay()  # a capture records the launches without running them
+        self.replays += 1
+
+    def _capture(self, device: int, launch: Callable[[], Any]) -> torch.cuda.CUDAGraph | None:
+        try:
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                # thread_local: other threads' CUDA calls stay legal while this one captures
+                graph.capture_begin(pool=self.pools.get(device), capture_error_mode="thread_local")
+                try:
+                    launch()
+                finally:
+                    graph.capture_end()
+        except Exception as err:  # noqa: BLE001 - any failure: launches as before, for good
+            self.enabled = False
+            warnings.warn(f"fastaf: CUDA graphs of eager launches disabled ({type(err).__name__}: {err}); "
+                          "launching each kernel", RuntimeWarning, stacklevel=4)
+            return None
+        self.pools.setdefault(device, graph.pool())
+        return graph
+
+    def clear(self) -> None:
+        """Drop every graph (their pool goes with the last one)."""
+        self.graphs.clear()
+        self.seen.clear()
+        self.pools.clear()
+
+
+GRAPHS = LaunchGraphs()
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` may replay graphs (module docstring)."""
+    if not (GRAPHS.enabled and x.is_cuda and _launch._enabled()):
+        return False
+    device = x.get_device()
+    if device != _launch._current_device() or _launch._raw_stream(device) != 0:  # a user stream, or
+        return False  # a capture of theirs on one; a graph replays on the current device's stream
+    runtime = _launch._knobs.runtime
+    return not (_launch._active(runtime.launch_enter_hook) or _launch._active(runtime.launch_exit_hook))
