@@ -65,7 +65,7 @@ class LaunchGraphs:
             self.seen[key] = launched + 1
             launch()
             return
-        del self.seen[key]
+        self.seen.pop(key, None)  # another thread may have cleared it meanwhile
         with self._lock:
             graph = self._capture(device, launch)
         if graph is None:
@@ -77,28 +77,42 @@ class LaunchGraphs:
         self.replays += 1
 
     def _capture(self, device: int, launch: Callable[[], Any]) -> torch.cuda.CUDAGraph | None:
+        pool = None
         try:
             stream = self.streams.get(device)
             if stream is None:
                 stream = self.streams[device] = torch.cuda.Stream(device)
+            pool = self.pools.get(device)
+            if pool is None:
+                pool = self.pools[device] = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream):
                 # thread_local: other threads' CUDA calls stay legal while this one captures
-                graph.capture_begin(pool=self.pools.get(device), capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     launch()
                 finally:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 - any failure: launches as before, for good
+            if pool is not None:
+                # capture_end raises before it stops routing allocations to the pool: stop it
+                # here (torch raises when it had stopped already)
+                try:
+                    torch._C._cuda_endAllocateToPool(device, pool)
+                except Exception:  # noqa: BLE001
+                    pass
             self.enabled = False
+            self.clear()
             warnings.warn(f"fastaf: CUDA graphs of eager launches disabled ({type(err).__name__}: {err}); "
                           "launching each kernel", RuntimeWarning, stacklevel=4)
             return None
-        self.pools.setdefault(device, graph.pool())
         return graph
 
     def clear(self) -> None:
-        """Drop every graph (their pool goes with the last one)."""
+        """Drop every graph (their pool goes with the last one), after the GPU ran what was queued:
+        a replay in flight must not lose its pool's temporaries (fastaf-tune's clear_memos calls this)."""
+        if self.graphs and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         self.graphs.clear()
         self.seen.clear()
         self.pools.clear()
@@ -109,7 +123,7 @@ GRAPHS = LaunchGraphs()
 
 def usable(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` may replay graphs (module docstring)."""
-    if not (GRAPHS.enabled and x.is_cuda and _launch._enabled()):
+    if not (GRAPHS.enabled and x.is_cuda and _launch._enabled()) or torch.compiler.is_compiling():
         return False
     device = x.get_device()
     if device != _launch._current_device() or _launch._raw_stream(device) != 0:  # a user stream, or

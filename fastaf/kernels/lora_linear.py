@@ -413,7 +413,7 @@ def _graphed_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     h = torch.empty((M, R), device=x.device, dtype=x.dtype)
     y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=x.dtype)
     # everything the two launches read or write (module docstring of _graphs)
-    key = ("fwd", x.data_ptr(), M, K, x.stride(), x.dtype, weight.data_ptr(), N, weight.stride(),
+    key = ("fwd", x.data_ptr(), M, K, x.stride(), x.dtype, weight.data_ptr(), N, weight.stride(), weight.dtype,
            None if bias is None else (bias.data_ptr(), bias.stride()), a.data_ptr(), R, a.stride(), a.dtype,
            b.data_ptr(), b.stride(), b.dtype, 0 if seed is None else seed.data_ptr(), h.data_ptr(), y.data_ptr(),
            scale, dropout_p, _tf32(x.dtype))
@@ -520,7 +520,7 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
     db_out = torch.empty((N, R), device=dev, dtype=b.dtype) if partials else None
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
     key = ("bwd", dy.data_ptr(), M, N, dy.stride(), dy.dtype, x.data_ptr(), K, x.stride(), x.dtype, weight.data_ptr(),
-           weight.stride(), a.data_ptr(), R, a.stride(), a.dtype, b.data_ptr(), b.stride(), b.dtype, h.data_ptr(),
+           weight.stride(), weight.dtype, a.data_ptr(), R, a.stride(), a.dtype, b.data_ptr(), b.stride(), b.dtype, h.data_ptr(),
            h.stride(), h.dtype, 0 if seed is None else seed.data_ptr(), work.data_ptr(),
            0 if db_out is None else db_out.data_ptr(), 0 if dx is None else dx.data_ptr(), scale, dropout_p,
            _tf32(x.dtype))

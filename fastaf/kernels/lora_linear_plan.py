@@ -58,6 +58,9 @@ def clear_memos() -> None:
     _choice_memo.clear()
     _plan_memo.clear()
     _call_memo.clear()
+    from fastaf.kernels import _graphs  # graphs captured with the old configs: captured anew
+
+    _graphs.GRAPHS.clear()
     for memo in _MEMOS:
         memo.clear()
     _cache.forget()

@@ -2,7 +2,7 @@
 
 On the CPU (interpreter): the graphed forward and backward compose the outputs the ungraphed
 path returns, every buffer allocated outside the graph, and ``LaunchGraphs`` captures at a key's
-second sighting and replays after (a stand-in graph). On the GPU: real graphs over repeated
+third sighting and replays after (a stand-in graph). On the GPU: real graphs over repeated
 calls on the same addresses with new values, against the ungraphed path, and no graph on a
 user's stream.
 """
@@ -40,6 +40,9 @@ class _Recorder:
     def run(self, key, device, launch) -> None:
         self.keys.append(key)
         launch()
+
+    def clear(self) -> None:  # clear_memos clears the graphs too
+        self.keys.clear()
 
 
 def _both(monkeypatch, factor_dtype: torch.dtype, partials: bool, needs_dx: bool = True):
@@ -118,12 +121,17 @@ def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch):
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(_graphs.torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no graphs")))
     monkeypatch.setattr(_graphs.torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(_graphs.torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    ended = []
+    monkeypatch.setattr(_graphs.torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool),
+                        raising=False)
     runs = []
     for i in range(2):
         graphs.run(("k",), 0, lambda: runs.append(i))
     with pytest.warns(RuntimeWarning, match="CUDA graphs of eager launches disabled"):
         graphs.run(("k",), 0, lambda: runs.append(2))
     assert runs == [0, 1, 2] and not graphs.enabled and not graphs.graphs
+    assert ended == [(0, 1)]  # the allocator no longer routes to the failed capture's pool
 
 
 def test_not_usable_on_the_cpu():
