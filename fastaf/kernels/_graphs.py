@@ -121,6 +121,12 @@ class LaunchGraphs:
 GRAPHS = LaunchGraphs()
 
 
+def call_key(tensors: tuple, *values: Hashable) -> tuple:
+    """A graphed call's key: each of ``tensors`` (every tensor its launches read or write, None
+    for an absent one) by address, shape, strides and dtype, then ``values`` (floats, flags)."""
+    return (*[None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors], *values)
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` may replay graphs (module docstring)."""
     if not (GRAPHS.enabled and x.is_cuda and _launch._enabled()) or torch.compiler.is_compiling():

@@ -412,11 +412,8 @@ def _graphed_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     h = torch.empty((M, R), device=x.device, dtype=x.dtype)
     y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=x.dtype)
-    # everything the two launches read or write (module docstring of _graphs)
-    key = ("fwd", x.data_ptr(), M, K, x.stride(), x.dtype, weight.data_ptr(), N, weight.stride(), weight.dtype,
-           None if bias is None else (bias.data_ptr(), bias.stride()), a.data_ptr(), R, a.stride(), a.dtype,
-           b.data_ptr(), b.stride(), b.dtype, 0 if seed is None else seed.data_ptr(), h.data_ptr(), y.data_ptr(),
-           scale, dropout_p, _tf32(x.dtype))
+    # every tensor the two launches read or write, and every float and flag they take
+    key = _graphs.call_key((x, weight, bias, a, b, seed, h, y), "fwd", scale, dropout_p, _tf32(x.dtype))
 
     def launch() -> None:
         fwd_h(x, a, dropout_p, seed, out=h)
@@ -508,29 +505,32 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
 def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  h: torch.Tensor, scale: float, dropout_p: float, seed: Optional[torch.Tensor], needs_dx: bool,
                  dy_plan: list, da_plan: list) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``lora_linear_bwd_unchecked``'s Triton path (shared_grads) with its memset and launches as
-    one graph replay where this call was seen before. Every output is allocated here, before."""
+    """``lora_linear_bwd_unchecked``'s Triton path (shared_grads) with its memsets and launches as
+    one graph replay where this call was seen before. Every output is allocated here, before.
+
+    dh has a buffer of its own, not a slice of da's and db's (the eager path's one memset): the
+    gradients A.grad and B.grad, views of that buffer, would keep dh's M x R floats alive until
+    they are zeroed. A second memset costs no host time inside a graph."""
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     dev = x.device
     partials = dy_plan[1]
     db_rows = 0 if partials else N  # db atomically summed into the zeroed buffer, or its partials summed
-    zero = dy_plan[2] > 1 or da_plan[1] > 1 or db_rows
+    zero_grads, zero_dh = da_plan[1] > 1 or db_rows, dy_plan[2] > 1  # split-M da, db, split-N dh: atomics
     end = R * K + db_rows * R
-    work = torch.empty(end + M * R, device=dev, dtype=torch.float32)  # da, db (atomic), dh: as the eager path
+    work = torch.empty(end, device=dev, dtype=torch.float32)  # da, db (atomic)
+    dh = torch.empty((M, R), device=dev, dtype=torch.float32)
     db_out = torch.empty((N, R), device=dev, dtype=b.dtype) if partials else None
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
-    key = ("bwd", dy.data_ptr(), M, N, dy.stride(), dy.dtype, x.data_ptr(), K, x.stride(), x.dtype, weight.data_ptr(),
-           weight.stride(), weight.dtype, a.data_ptr(), R, a.stride(), a.dtype, b.data_ptr(), b.stride(), b.dtype, h.data_ptr(),
-           h.stride(), h.dtype, 0 if seed is None else seed.data_ptr(), work.data_ptr(),
-           0 if db_out is None else db_out.data_ptr(), 0 if dx is None else dx.data_ptr(), scale, dropout_p,
-           _tf32(x.dtype))
+    key = _graphs.call_key((dy, x, weight, a, b, h, seed, work, dh, db_out, dx), "bwd", scale, dropout_p,
+                           _tf32(x.dtype))
 
     def launch() -> None:
-        if zero:
+        if zero_grads:
             work.zero_()
-        dh, _ = bwd_dy(dy, b, h, scale, dh=work[end:].view(M, R),
-                       db_sum=work[R * K:end].view(N, R) if db_rows else None, plan=dy_plan, db_out=db_out,
-                       cast=False)
+        if zero_dh:
+            dh.zero_()
+        bwd_dy(dy, b, h, scale, dh=dh, db_sum=work[R * K:end].view(N, R) if db_rows else None, plan=dy_plan,
+               db_out=db_out, cast=False)
         bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)
         if needs_dx:
             gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype, out=dx)

@@ -45,22 +45,23 @@ class _Recorder:
         self.keys.clear()
 
 
-def _both(monkeypatch, factor_dtype: torch.dtype, partials: bool, needs_dx: bool = True):
+def _both(monkeypatch, factor_dtype: torch.dtype, partials: bool, needs_dx: bool = True, p: float = 0.0,
+          bias: bool = True):
     """(ungraphed, graphed) forward + backward of one call; the graphed one through ``_Recorder``."""
     recorder = _Recorder()
     monkeypatch.setattr(_graphs, "usable", lambda x: True)
     monkeypatch.setattr(_graphs, "GRAPHS", recorder)
-    x, weight, bias, a, b, dy, _ = make(64, 32, 48, 4, torch.float32, "cpu")
+    x, weight, bias_t, a, b, dy, seed = make(64, 32, 48, 4, torch.float32, "cpu", bias=bias, p=p)
     a, b = a.to(factor_dtype), b.to(factor_dtype)
     conf = dict(ll.INTERPRET["bwd_dy"], DB_PARTIAL=int(partials))
     monkeypatch.setitem(ll.INTERPRET, "bwd_dy", conf)
     out = []
     for graphed in (False, True):
-        y, h = ll.lora_linear_fwd_unchecked(x, weight, bias, a, b, 0.5, 0.0, None, "triton", graphed=graphed)
-        grads = ll.lora_linear_bwd_unchecked(dy, x, weight, a, b, h, 0.5, 0.0, None, needs_dx, "triton",
+        y, h = ll.lora_linear_fwd_unchecked(x, weight, bias_t, a, b, 0.5, p, seed, "triton", graphed=graphed)
+        grads = ll.lora_linear_bwd_unchecked(dy, x, weight, a, b, h, 0.5, p, seed, needs_dx, "triton",
                                              shared_grads=True, graphed=graphed)
         out.append((y, h, *grads))
-    return out, recorder.keys, (x, weight, bias, a, b, dy)
+    return out, recorder.keys, (x, weight, bias_t, a, b, dy)
 
 
 @needs_interpreter
@@ -68,7 +69,7 @@ def _both(monkeypatch, factor_dtype: torch.dtype, partials: bool, needs_dx: bool
 @pytest.mark.parametrize("partials", [True, False], ids=["db-partials", "db-atomic"])
 def test_graphed_calls_return_what_launches_return(monkeypatch, fresh_plans, factor_dtype, partials):
     (plain, graphed), keys, (x, weight, bias, a, b, dy) = _both(monkeypatch, factor_dtype, partials)
-    assert [k[0] for k in keys] == ["fwd", "bwd"]  # both phases took the graphed path
+    assert ["fwd" in k for k in keys] == [True, False] and "bwd" in keys[1]  # both phases took the graphed path
     for name, p, g in zip(("y", "h", "dx", "da", "db"), plain, graphed):
         assert g.dtype == p.dtype and g.shape == p.shape, name
         torch.testing.assert_close(g, p, msg=name)
@@ -83,6 +84,39 @@ def test_graphed_backward_without_dx(monkeypatch, fresh_plans):
     assert plain[2] is None and graphed[2] is None
     for p, g in zip(plain[3:], graphed[3:]):
         torch.testing.assert_close(g, p)
+
+
+@needs_interpreter
+def test_graphed_calls_with_dropout_and_without_bias(monkeypatch, fresh_plans):
+    (plain, graphed), keys, _ = _both(monkeypatch, torch.float32, False, p=0.25, bias=False)
+    assert len(keys) == 2
+    for name, p, g in zip(("y", "h", "dx", "da", "db"), plain, graphed):
+        torch.testing.assert_close(g, p, msg=name)
+
+
+def test_call_key_tells_apart_what_a_launch_could_tell_apart():
+    base = torch.zeros(8, 6)
+    keys = [_graphs.call_key((base, None), 0.5),
+            _graphs.call_key((base[:, :4], None), 0.5),  # same address, other shape
+            _graphs.call_key((base.T, None), 0.5),  # same address, other strides
+            _graphs.call_key((base.view(torch.int32), None), 0.5),  # same address, other dtype
+            _graphs.call_key((base[1:], None), 0.5),  # other address
+            _graphs.call_key((base, base), 0.5),  # an optional tensor present
+            _graphs.call_key((base, None), 0.25)]  # another float
+    assert len(set(keys)) == len(keys)
+    assert _graphs.call_key((base, None), 0.5) == keys[0]  # and equal calls meet
+
+
+@needs_interpreter
+def test_graphed_keys_hold_every_tensor_of_the_call(monkeypatch, fresh_plans):
+    seen = []
+    shipped = _graphs.call_key
+    monkeypatch.setattr(_graphs, "call_key", lambda tensors, *values: seen.append(tensors) or shipped(tensors, *values))
+    (_, (y, h, dx, da, db)), _, (x, weight, bias, a, b, dy) = _both(monkeypatch, torch.float32, True)
+    fwd, bwd = ({id(t) for t in ts if t is not None} for ts in seen)
+    assert {id(t) for t in (x, weight, bias, a, b, y, h)} <= fwd
+    assert {id(t) for t in (dy, x, weight, a, b, h, dx, db)} <= bwd  # db: its own buffer where partials sum it
+    assert any(t is not None and t.data_ptr() == da.data_ptr() for t in seen[1])  # da: a view of the work buffer
 
 
 class _FakeGraph:
@@ -172,3 +206,13 @@ def test_gpu_no_graph_on_a_user_stream():
     with torch.cuda.stream(torch.cuda.Stream()):
         assert not _graphs.usable(x)
 
+
+
+@needs_interpreter
+def test_graphed_gradients_do_not_keep_dh_alive(monkeypatch, fresh_plans):
+    """dA and dB are views of one buffer that holds them alone: as A.grad and B.grad they would
+    otherwise keep the backward's (M, R) dh alive until zero_grad."""
+    (_, graphed), _, (x, weight, bias, a, b, dy) = _both(monkeypatch, torch.float32, False)
+    (R, K), N = a.shape, b.shape[0]
+    for g in graphed[3:]:
+        assert g.untyped_storage().nbytes() == (R * K + N * R) * 4
