@@ -120,6 +120,9 @@ class LaunchGraphs:
 
 
 GRAPHS = LaunchGraphs()
+# the fast launch path exists here (triton's knobs, not the interpreter): read once, as the
+# launch sites do, not per call
+_FAST_LAUNCH = _launch._enabled()
 
 
 def call_key(tensors: tuple, *values: Hashable) -> tuple:
@@ -130,10 +133,9 @@ def call_key(tensors: tuple, *values: Hashable) -> tuple:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` may replay graphs (module docstring)."""
-    if not (GRAPHS.enabled and x.is_cuda and _launch._enabled()) or torch.compiler.is_compiling():
+    if not (GRAPHS.enabled and _FAST_LAUNCH and x.is_cuda) or torch.compiler.is_compiling():
         return False
     device = x.get_device()
     if device != _launch._current_device() or _launch._raw_stream(device) != 0:  # a user stream, or
         return False  # a capture of theirs on one; a graph replays on the current device's stream
-    runtime = _launch._knobs.runtime
-    return not (_launch._active(runtime.launch_enter_hook) or _launch._active(runtime.launch_exit_hook))
+    return not _launch._hooks_active()

@@ -44,6 +44,13 @@ def _active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hooks_active() -> bool:
+    """A launch hook (a profiler's) would run: launches take Triton's normal path, never a cached
+    kernel or a CUDA graph of fastaf's, which would skip it."""
+    runtime = _knobs.runtime
+    return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
+
+
 def _enabled() -> bool:
     if _knobs is None or _raw_stream is None:
         return False
@@ -127,8 +134,7 @@ class LaunchSite:
         launching nothing, when it cannot: a launch hook is active (profilers want launch
         metadata: the normal path), another current device, or the fast path failed."""
         device, compiled, tail = entry
-        enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        if not self.fast or _active(enter) or _active(exit_) or _current_device() != device:
+        if not self.fast or _hooks_active() or _current_device() != device:
             return False
         try:
             stream = _raw_stream(device)
