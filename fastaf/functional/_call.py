@@ -48,7 +48,7 @@ from ._adapter import Adapter, LoRA
 from . import _carrier
 from . import _rules as rules
 from ._below_grad import call_below, grad_level
-from ._lora_linear import lora_linear
+from ._lora_linear import IMPLS, routed_lora_linear
 from ._modules import LinearSpec, ParamSpec, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
@@ -110,6 +110,8 @@ class _LoRAMode(TorchFunctionMode):
     def __init__(self, routes: dict[int, _Route], impl: str, *, explicit: bool = True,
                  ids: Tensor | None = None) -> None:
         super().__init__()
+        if impl not in IMPLS:  # once per call: the layers' op calls (routed_lora_linear) do not check it
+            raise ValueError(f"fastaf: impl must be one of {IMPLS}, got {impl!r}")
         # linear routes (fused into lora_linear) and parameter routes (substituted), by weight id
         self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
         self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
@@ -319,9 +321,7 @@ class _LoRAMode(TorchFunctionMode):
             h = self._shared_h(route, x)
             if h is not None:
                 return lora_linear_given_h(x, weight, bias, h, route.lora, impl=self.impl, where=route.path)
-        return lora_linear(
-            x, weight, bias, route.lora, impl=self.impl, training=route.module.training, where=route.path
-        )
+        return routed_lora_linear(x, weight, bias, route.lora, self.impl, route.module.training, route.path)
 
     def _shared_h(self, route: _Route, x: Tensor) -> Tensor | None:
         """``route``'s h from one pass over ``x`` shared with its siblings, or None (alone)."""

@@ -11,7 +11,13 @@ weight as it is, or, where it returns a tensor, again on W + ΔW (``_LoRAMode.fo
 slower, warned once).
 
 The swap is an entry in the module's ``_parameters`` (no ``__setattr__``, no hooks), undone when
-the call returns or raises. A detaching use of a carried weight (``W.data``, ``W.detach()``) is
+the call returns or raises. An ``nn.Linear`` itself (its class exactly, no ``forward`` of its own
+set on it) also gets, for as long as its weight is carried, an instance ``forward`` that hands
+its input to the LoRA op directly (``_linear_forward``): the subclass's ``__torch_function__``
+dispatch costs ~6 us per call on a fast CPU (the op stubbed: a carried nn.Linear 19.8 us, plain
+13.4 us, with this forward 13.9 us), ~2-3x that on the H100 machine's host. It does exactly what the carrier would do, and defers to it where the carrier's path
+could differ: another torch function mode active (a mode inside the call sees ``F.linear``
+first), an input that is not a plain tensor, torch functions disabled, a trace. A detaching use of a carried weight (``W.data``, ``W.detach()``) is
 counted on its route: a weight used only that way lost its LoRA (no gradient reaches A and B), an
 error after the call as with the mode (where a per-call hook counts the module's runs instead).
 
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,17 +121,41 @@ def _count_unadapted(args: tuple, kwargs: dict) -> None:
 
 
 class Carrier(_Carries):
-    """A targeted weight during eager calls: its storage (``raw``, the module's own tensor) and,
-    per thread, the calls that adapt it."""
+    """A targeted weight during eager calls: its storage (``raw``, the module's own tensor),
+    per thread the calls that adapt it, and the ``forward`` set on its ``nn.Linear``, if any."""
 
     raw: Tensor
     calls: dict[int, list[tuple[_LoRAMode, _Route]]]
+    forward: Callable[[Tensor], Tensor] | None
 
     @staticmethod
     def of(raw: Tensor) -> Carrier:
         carrier = raw.as_subclass(Carrier)
-        carrier.raw, carrier.calls = raw, {}
+        carrier.raw, carrier.calls, carrier.forward = raw, {}, None
         return carrier
+
+
+def _linear_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:
+    """``nn.Linear.forward`` for ``module`` while its weight is carried: the carrier's F.linear
+    rule without its ``__torch_function__`` dispatch (module docstring)."""
+
+    def forward(input: Tensor) -> Tensor:  # nn.Linear.forward's parameter name: module(input=x) works
+        weight, bias = module._parameters["weight"], module._parameters["bias"]
+        if (type(input) is Tensor and torch._C._len_torch_function_stack() == 0
+                and torch._C._is_torch_function_enabled() and not torch.compiler.is_compiling()):
+            entry = _entry(weight)
+            if entry is not None and not entry[1].spec.transposed:
+                return entry[0]._apply(entry[1], input, weight.raw, bias)
+        return F.linear(input, weight, bias)  # the carrier's own path, as nn.Linear.forward
+
+    return forward
+
+
+def _takes_forward(module: nn.Module, name: str) -> bool:
+    """Whether a carried weight's module may get ``_linear_forward``: an ``nn.Linear`` exactly
+    (a subclass may compute otherwise) without a ``forward`` set on the instance (accelerate's
+    hooks set one), its ``weight`` carried."""
+    return type(module) is nn.Linear and name == "weight" and "forward" not in module.__dict__
 
 
 class View(_Carries):
@@ -193,6 +223,9 @@ class carried:
                     carrier.calls.setdefault(tid, []).append(entry)
                     self.installed.append((route.module, route.name, carrier, entry))
                     route.module._parameters[route.name] = carrier
+                    if carrier.forward is None and _takes_forward(route.module, route.name):
+                        carrier.forward = _linear_forward(route.module)
+                        route.module.__dict__["forward"] = carrier.forward  # no __setattr__: not a submodule
             except BaseException:  # an interrupt mid-install: nothing stays swapped
                 self._remove(tid)
                 raise
@@ -214,4 +247,7 @@ class carried:
                 carrier.calls.pop(tid, None)
             if not carrier.calls and module._parameters.get(name) is carrier:
                 module._parameters[name] = carrier.raw
+                if carrier.forward is not None and module.__dict__.get("forward") is carrier.forward:
+                    del module.__dict__["forward"]
+                carrier.forward = None
         self.installed.clear()

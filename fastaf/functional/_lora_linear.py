@@ -644,6 +644,19 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: s
         raise TypeError(f"{where}: lora must be a fastaf.LoRA, got {type(lora).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
+    _check_use(x, weight, bias, lora, where)
+    if lora.stacked:
+        raise ValueError(
+            f"{where}: stacked LoRA A {tuple(lora.A.shape)}; map over the stack with torch.func.vmap"
+        )
+    for name, t in (("A", lora.A), ("B", lora.B)):
+        if t.device != x.device:
+            raise ValueError(f"{where}: {name} {tuple(t.shape)} is on {t.device} but x is on {x.device}")
+
+
+def _check_use(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str) -> None:
+    """One use's x, weight and bias against each other and the LoRA's shape (a 2-D LoRA, its
+    factors on the weight's device: ``_check`` or the caller checked those)."""
     if not isinstance(x, Tensor) or x.dim() == 0:
         what = f"a 0-d tensor ({x.dtype})" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{where}: input x must be a tensor of shape (..., K), got {what}")
@@ -658,18 +671,15 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: Any, impl: s
     N, K = weight.shape
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         raise ValueError(f"{where}: bias {tuple(bias.shape)} {bias.dtype} is not ({N},) {x.dtype}")
-    if lora.stacked:
-        raise ValueError(
-            f"{where}: stacked LoRA A {tuple(lora.A.shape)}; map over the stack with torch.func.vmap"
-        )
     if (lora.in_features, lora.out_features) != (K, N):
         raise ValueError(
             f"{where}: LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit weight "
             f"{tuple(weight.shape)}: expected A (r, {K}) and B ({N}, r)"
         )
-    for name, t in (("weight", weight), ("bias", bias), ("A", lora.A), ("B", lora.B)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{where}: {name} {tuple(t.shape)} is on {t.device} but x is on {x.device}")
+    device = x.device
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{where}: {name} {tuple(t.shape)} is on {t.device} but x is on {device}")
 
 
 def lora_linear(
@@ -699,10 +709,29 @@ def lora_linear(
     x, weight, bias = _autocast(x, weight, bias)
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
+    return _lora_linear(x, weight, bias, lora, impl, training)
+
+
+def routed_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str,
+                       training: bool, where: str) -> Tensor:
+    """``lora_linear`` for a use of a weight whose LoRA a call fitted to it before it ran
+    (``functional_call``'s routes: its stacking, shape and device checked against the weight, the
+    impl against ``IMPLS``): only the use is checked here (x, and the bias the model passed).
+    The checks are host time on every adapted layer's eager call."""
+    x, weight, bias = _autocast(x, weight, bias)
+    if not torch.compiler.is_compiling():
+        _check_use(x, weight, bias, lora, where)
+    return _lora_linear(x, weight, bias, lora, impl, training)
+
+
+def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str, training: bool) -> Tensor:
+    """``lora_linear`` on checked operands."""
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
     level = _direct_level(x, weight, bias, lora.A, lora.B)
-    if level >= 0:
+    if level == 0:  # plain eager autograd: the Function's C apply, no level flag to set
+        return _direct_apply(0, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
+    if level > 0:
         return _apply_direct(level, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     lead, K = x.shape[:-1], x.shape[-1]
     # The factors go in as they are (fp32 masters under bf16 x): the kernels read them in their

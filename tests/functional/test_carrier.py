@@ -84,6 +84,7 @@ def test_a_raising_carried_call_puts_every_weight_back():
     with pytest.raises(IndexError):
         fa.functional_call(model, adapter, (torch.full((1, 4), 10_000),))  # ids past the vocabulary
     assert all(v is before[k] and type(v) is torch.nn.Parameter for k, v in model.named_parameters())
+    assert not any("forward" in m.__dict__ for m in model.modules())
     with torch.no_grad():
         ids = token_batch()
         torch.testing.assert_close(fa.functional_call(model, None, (ids,)).logits, model(ids).logits)
@@ -224,6 +225,7 @@ def test_an_interrupt_while_carriers_are_installed_leaves_the_model_plain(monkey
     with pytest.raises(KeyboardInterrupt):
         fa.functional_call(model, adapter, (ids,))
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any("forward" in m.__dict__ for m in model.modules())  # no layer keeps a forward of ours
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
 
@@ -302,3 +304,114 @@ def test_value_free_and_identity_uses_neither_fold_nor_count(carry, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fold warning, no dropout error: the fused op ran
         fa.functional_call(cast, lora, (x,))
+
+
+class _Recorded(torch.nn.Module):
+    """Records, while it runs, whether each given module has a forward of its own set."""
+
+    def __init__(self, inner: torch.nn.Module, *watched: torch.nn.Module):
+        super().__init__()
+        self.inner, self.watched, self.seen = inner, watched, []
+
+    def forward(self, x):
+        self.seen.append(["forward" in m.__dict__ for m in self.watched])
+        return self.inner(x)
+
+
+class _Scaled(torch.nn.Linear):
+    """A Linear subclass with a forward of its own: never given the carrier's forward."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+def _dispatches(monkeypatch) -> list:
+    """Every torch function the carriers' ``__torch_function__`` is handed, from now on."""
+    seen, shipped = [], _carrier._Carries.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return shipped(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(_carrier._Carries, "__torch_function__", classmethod(counting))
+    return seen
+
+
+def test_a_carried_nn_linear_hands_its_input_to_the_op_without_the_carriers_dispatch(monkeypatch):
+    lin, sub, own = torch.nn.Linear(6, 6), _Scaled(6, 6), torch.nn.Linear(6, 6)
+    own_forward = own.forward  # an instance forward already set (as accelerate's hooks do)
+    own.forward = lambda x: own_forward(x) + 1.0
+    model = _Recorded(torch.nn.Sequential(lin, sub, own), lin, sub, own)
+    loras = {p: fa.LoRA(torch.randn(2, 6), torch.randn(6, 2), 0.5) for p in ("inner.0", "inner.1", "inner.2")}
+    x = torch.randn(3, 6)
+    seen = _dispatches(monkeypatch)
+    got = fa.functional_call(model, fa.Adapter(loras), (x,))
+
+    def adapted(m, lo, v):
+        return torch.nn.functional.linear(v, m.weight, m.bias) + lo.scale * (v @ lo.A.T) @ lo.B.T
+
+    want = adapted(own, loras["inner.2"], 2.0 * adapted(sub, loras["inner.1"], adapted(lin, loras["inner.0"], x))) + 1.0
+    torch.testing.assert_close(got, want)
+    assert model.seen == [[True, False, True]]  # own: its own forward, kept
+    # nn.Linear took no dispatch; the subclass and the instance forward went through the carrier
+    assert seen.count(torch.nn.functional.linear) == 2
+    assert "forward" not in lin.__dict__ and "forward" not in sub.__dict__ and own.forward(x) is not None
+    assert own.__dict__["forward"] is not None and type(lin.weight) is torch.nn.Parameter
+
+
+class _SeesLinear(torch.overrides.TorchFunctionMode):
+    """A user's torch function mode: counts the F.linear calls on a carried weight it is shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.linears += func is torch.nn.functional.linear and type(args[1]) is _carrier.Carrier
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_torch_function_mode_inside_the_call_still_sees_every_adapted_linear():
+    model = tiny_llama()
+    adapter = random_adapter(model, ["q_proj", "v_proj", "down_proj"])
+    ids = token_batch()
+    with torch.no_grad():
+        want = fa.functional_call(model, adapter, (ids,)).logits
+        with _SeesLinear() as mode:
+            got = fa.functional_call(model, adapter, (ids,)).logits
+    torch.testing.assert_close(got, want)
+    assert mode.linears == 3 * len(model.model.layers)  # each adapted layer's F.linear, shown to the user's mode
+
+
+def test_carried_nn_linears_in_threads_and_nested_calls_keep_their_own_adapters():
+    """The forward set on a shared layer serves each thread's innermost call, as the carrier does."""
+    model = _Nested()
+    outer, inner = (fa.LoRA(torch.randn(2, 6), torch.randn(6, 2), 0.5) for _ in range(2))
+    model.inner_adapter = fa.Adapter({"": inner})
+    x = torch.randn(3, 6)
+    W, b = model.proj.weight, model.proj.bias
+    plain = torch.nn.functional.linear(x, W, b)
+    seen = []
+
+    def other_thread():  # a plain call of the layer while another thread's call carries its weight
+        seen.append(torch.equal(model.proj(x), plain))
+
+    class _Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, v):
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+            return self.model(v)
+
+    with torch.no_grad():
+        got = fa.functional_call(_Spy(), fa.Adapter({"model.proj": outer}), (x,))
+
+    def lin(v, lo):
+        return v @ W.T + b + lo.scale * (v @ lo.A.T) @ lo.B.T
+
+    torch.testing.assert_close(got, lin(lin(x, inner), outer))
+    assert seen == [True] and "forward" not in model.proj.__dict__
