@@ -8,15 +8,14 @@ the same blocks for the same sequence of allocations), so one call's launches ar
 kernels with the same arguments each step. ``LaunchGraphs.run`` captures them into a CUDA graph
 at the third sighting of a call's key and replays the graph from then on.
 
-The caller's key (``call_key``) names everything the launches read or write beyond their own
-temporaries: every tensor's address, shape, strides and dtype, every float. Every buffer a caller
-keeps (outputs, gradients) is allocated by the caller before, outside the graph; inside, the
-launches may allocate only temporaries (Triton's TMA scratch, a factor cast, db's partial sums,
-the backward's dh), which come from one private memory pool shared by the graphs of a device,
-so two graphs may share a temporary's block: safe because every replay runs on the device's
-default stream, in order. A key seen once or twice (addresses that never repeat) costs a dict
-entry; a capture that fails turns graphs off for the process, warned once, and the call
-launches normally.
+The caller's key (``call_key``) names everything the launches read or write: every tensor's
+address, shape, strides and dtype, every float. Every buffer a caller keeps (outputs, gradients)
+is allocated by the caller before, outside the graph; inside, the launches may allocate only
+temporaries (Triton's TMA scratch, a factor cast, db's partial sums), which come from one private
+memory pool shared by the graphs of a device, so two graphs may share a temporary's block: safe
+because every replay runs on the device's default stream, in order. A key seen once or twice
+(addresses that never repeat) costs a dict entry; a capture that fails turns graphs off for the
+process, warned once, and the call launches normally.
 
 ``usable`` says where replays are safe: a CUDA tensor on the current device, the current stream
 the legacy default one (no user stream, no stream capture of the user's under way: theirs would

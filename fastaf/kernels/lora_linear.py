@@ -508,9 +508,12 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
     """``lora_linear_bwd_unchecked``'s Triton path (shared_grads) with its memsets and launches as
     one graph replay where this call was seen before. Every output is allocated here, before.
 
-    dh (M, R) fp32 is no output: it is made inside the launches, so a replay takes it from the
-    graphs' pool (one allocation less per call on the host), and the gradients A.grad and B.grad,
-    views of ``work``, do not keep it alive (the eager path's one buffer would)."""
+    dh has a buffer of its own, not a slice of da's and db's (the eager path's one memset): the
+    gradients A.grad and B.grad, views of that buffer, would keep dh's M x R floats alive until
+    they are zeroed. A second memset costs no host time inside a graph. It is allocated here, not
+    inside the launches: made there (by the allocator when launching, from the graphs' pool when
+    capturing) it shifted the addresses of the calls after it from step to step, and on the H100
+    two GPU tests' loops never saw a key three times."""
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     dev = x.device
     partials = dy_plan[1]
@@ -518,15 +521,17 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
     zero_grads, zero_dh = da_plan[1] > 1 or db_rows, dy_plan[2] > 1  # split-M da, db, split-N dh: atomics
     end = R * K + db_rows * R
     work = torch.empty(end, device=dev, dtype=torch.float32)  # da, db (atomic)
+    dh = torch.empty((M, R), device=dev, dtype=torch.float32)
     db_out = torch.empty((N, R), device=dev, dtype=b.dtype) if partials else None
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
-    key = _graphs.call_key((dy, x, weight, a, b, h, seed, work, db_out, dx), "bwd", scale, dropout_p,
+    key = _graphs.call_key((dy, x, weight, a, b, h, seed, work, dh, db_out, dx), "bwd", scale, dropout_p,
                            _tf32(x.dtype))
 
     def launch() -> None:
         if zero_grads:
             work.zero_()
-        dh = (torch.zeros if zero_dh else torch.empty)((M, R), device=dev, dtype=torch.float32)
+        if zero_dh:
+            dh.zero_()
         bwd_dy(dy, b, h, scale, dh=dh, db_sum=work[R * K:end].view(N, R) if db_rows else None, plan=dy_plan,
                db_out=db_out, cast=False)
         bwd_da(dh, x, dropout_p, seed, da=work[:R * K].view(R, K), plan=da_plan)

@@ -1,7 +1,7 @@
 """fastaf.kernels._graphs: an eager call's launches replayed from a CUDA graph.
 
 On the CPU (interpreter): the graphed forward and backward compose the outputs the ungraphed
-path returns, every output allocated outside the graph, and ``LaunchGraphs`` captures at a key's
+path returns, every buffer allocated outside the graph, and ``LaunchGraphs`` captures at a key's
 third sighting and replays after (a stand-in graph). On the GPU: real graphs over repeated
 calls on the same addresses with new values, against the ungraphed path, and no graph on a
 user's stream.
