@@ -18,7 +18,7 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round: $side ($dir)"
     (cd "$dir" && FASTAF_SHA=$([ $side = old ] && echo "${OLD_SHA:-old}" || echo "$NEW_SHA") \
       PYTHONPATH=/tmp/site:$PWD python3 bench/bench_e2e.py --name "$NAME-$side$round" "$@" 2>&1 \
-      | grep -E "^ +[a-z-]+ +[0-9.]+ ms|error|Error" | tail -20)
+      | grep -E "^ +[a-z-]+ +[0-9.]+ ms|graphs:|error|Error" | tail -20)
     if [ -n "${OUT:-}" ]; then cp "$dir"/bench/results/"$NAME-$side$round"-*.json "$OUT"/ 2>/dev/null; fi
   done
 done

@@ -54,6 +54,7 @@ from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
 from fastaf.functional import _below_grad, _call  # noqa: E402
+from fastaf.kernels import _graphs  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
@@ -299,6 +300,7 @@ def main() -> None:
         suffix = next((s for s in SUFFIXES if name.startswith("fastaf") and name.endswith(s)), "")
         step = makers[name.removesuffix(suffix) if suffix else name](model, ids)
         step = _flagged(step, *SUFFIXES[suffix]) if suffix else step
+        graphs0 = (_graphs.GRAPHS.captures, _graphs.GRAPHS.replays)
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):
@@ -309,12 +311,14 @@ def main() -> None:
         else:
             t = H.time_fn(step, warmup=300, rep=2000) if device == "cuda" else _wall_ms(step)
         mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        # the eager launches' CUDA graphs over this provider's steps: captures, replays (_graphs)
+        graphs = [_graphs.GRAPHS.captures - graphs0[0], _graphs.GRAPHS.replays - graphs0[1]]
         rows.append({"bench": "e2e", "model": "llama-3.2-1b-shape" if not args.tiny else "tiny", "tokens": batch * seq,
                      "r": 16, "dtype": "bfloat16", "mode": "train_step", "provider": name, **t, "loss0": first,
-                     "max_mem_gib": round(mem, 2)})
+                     "max_mem_gib": round(mem, 2), "graphs": graphs})
         if t:
-            print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}",
-                  flush=True)
+            print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}"
+                  f"  graphs: {graphs[0]} captured, {graphs[1]} replays", flush=True)
         if args.interleave or name in args.profile.split(","):
             steps[name] = step
         else:

@@ -13,9 +13,14 @@ address, shape, strides and dtype, every float. Every buffer a caller keeps (out
 is allocated by the caller before, outside the graph; inside, the launches may allocate only
 temporaries (Triton's TMA scratch, a factor cast, db's partial sums), which come from one private
 memory pool shared by the graphs of a device, so two graphs may share a temporary's block: safe
-because every replay runs on the device's default stream, in order. A key seen once or twice
-(addresses that never repeat) costs a dict entry; a capture that fails turns graphs off for the
-process, warned once, and the call launches normally.
+because every replay runs on the device's default stream, in order. The launches of a call not
+(yet) captured take their temporaries from that pool too (``torch.cuda.use_mem_pool``): the
+caching allocator then makes the same allocations whether a step launches or replays, and the
+blocks it holds for the model's tensors do not split around them. Measured (H100, the Liger step
+run after PEFT's steps in one process, two alternating rounds): 100.8 / 100.0 ms with it, 105.5 /
+102.6 ms without, 224 graphs captured either way (``e2e-liger-pool-*``). A key seen once or
+twice (addresses that never repeat) costs a dict entry; a capture that fails turns graphs off
+for the process, warned once, and the call launches normally.
 
 ``usable`` says where replays are safe: a CUDA tensor on the current device, the current stream
 the legacy default one (no user stream, no stream capture of the user's under way: theirs would
@@ -45,7 +50,7 @@ class LaunchGraphs:
     def __init__(self) -> None:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.seen: dict[Hashable, int] = {}  # key -> its calls launched so far
-        self.pools: dict[int, Any] = {}  # device -> the memory pool its graphs share
+        self.pools: dict[int, Any] = {}  # device -> the MemPool its graphs and launches share
         self.streams: dict[int, torch.cuda.Stream] = {}  # device -> the side stream captures run on
         self.enabled = os.environ.get("FASTAF_LAUNCH_GRAPHS", "1") != "0"
         self.replays = self.captures = 0  # tests and diagnostics read them
@@ -64,7 +69,7 @@ class LaunchGraphs:
             if launched == 0 and len(self.seen) >= _CAPACITY:  # addresses that drift: forget, not grow
                 self.seen.clear()
             self.seen[key] = launched + 1
-            launch()
+            self._launch(device, launch)
             return
         self.seen.pop(key, None)  # another thread may have cleared it meanwhile
         with self._lock:
@@ -77,15 +82,24 @@ class LaunchGraphs:
         graph.replay()  # a capture records the launches without running them
         self.replays += 1
 
+    def _launch(self, device: int, launch: Callable[[], Any]) -> None:
+        """``launch()`` with its temporaries from ``device``'s pool (module docstring)."""
+        with torch.cuda.use_mem_pool(self._pool(device), device):
+            launch()
+
+    def _pool(self, device: int) -> Any:
+        pool = self.pools.get(device)
+        if pool is None:
+            pool = self.pools[device] = torch.cuda.MemPool()
+        return pool
+
     def _capture(self, device: int, launch: Callable[[], Any]) -> torch.cuda.CUDAGraph | None:
         pool = None
         try:
             stream = self.streams.get(device)
             if stream is None:
                 stream = self.streams[device] = torch.cuda.Stream(device)
-            pool = self.pools.get(device)
-            if pool is None:
-                pool = self.pools[device] = torch.cuda.graph_pool_handle()
+            pool = self._pool(device).id
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream):
                 # thread_local: other threads' CUDA calls stay legal while this one captures

@@ -8,6 +8,7 @@ user's stream.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -128,20 +129,45 @@ class _FakeGraph:
         self.launch()
 
 
-def test_capture_at_third_sighting_then_replay(monkeypatch):
+class _FakePool:
+    id = (0, 1)
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    """The graphs' MemPool faked for the CPU: ``pooled[0]`` says whether a pool is active now."""
+    active = [False]
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device):
+        assert isinstance(pool, _FakePool) and not active[0]
+        active[0] = True
+        try:
+            yield
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(_graphs.torch.cuda, "MemPool", _FakePool)
+    monkeypatch.setattr(_graphs.torch.cuda, "use_mem_pool", use_mem_pool)
+    return active
+
+
+def test_capture_at_third_sighting_then_replay(monkeypatch, pooled):
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
     runs = []
     for _ in range(5):
-        graphs.run(("k",), 0, lambda: runs.append("launch"))
-    assert runs == ["launch"] * 5  # the fake graph's replays launch too
+        graphs.run(("k",), 0, lambda: runs.append("pooled" if pooled[0] else "launch"))
+    # the two launches before the capture take their temporaries from the graphs' pool (the
+    # allocator sees the same allocations as on a replay); the fake graph's replays launch too
+    assert runs == ["pooled"] * 2 + ["launch"] * 3
     assert graphs.replays == 3 and graphs.captures == 1 and list(graphs.graphs) == [("k",)]
     for _ in range(2):  # a key seen twice: launched, not captured
         graphs.run(("other",), 0, lambda: runs.append("other"))
     assert ("other",) not in graphs.graphs and runs[-2:] == ["other", "other"]
 
 
-def test_capacity_bounds_the_graphs_kept(monkeypatch):
+def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
     monkeypatch.setattr(_graphs, "_CAPACITY", 2)
@@ -151,11 +177,10 @@ def test_capacity_bounds_the_graphs_kept(monkeypatch):
     assert len(graphs.graphs) == 2 and graphs.captures == 2
 
 
-def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch):
+def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch, pooled):
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(_graphs.torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no graphs")))
     monkeypatch.setattr(_graphs.torch.cuda, "Stream", lambda device: None)
-    monkeypatch.setattr(_graphs.torch.cuda, "graph_pool_handle", lambda: (0, 1))
     ended = []
     monkeypatch.setattr(_graphs.torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool),
                         raising=False)
