@@ -45,7 +45,7 @@ from torch._functorch import pyfunctorch
 from torch.overrides import TorchFunctionMode
 
 from ._adapter import Adapter, LoRA
-from . import _carrier
+from . import _carrier, _group
 from . import _rules as rules
 from ._below_grad import call_below, grad_level
 from ._lora_linear import IMPLS, routed_lora_linear
@@ -129,6 +129,9 @@ class _LoRAMode(TorchFunctionMode):
         # the latest input shared by siblings: (x, x's version then, their h by path, the paths
         # that took theirs)
         self.shared: tuple[Tensor, int, dict[str, Tensor], set[str]] | None = None
+        # siblings run as one op at the first one's call (_group): eager functional_call modes
+        self.groups = (_group.Groups(self.routes, impl)
+                       if explicit and ids is None and not self.traced and not self.plain_weights else None)
 
     def __enter__(self) -> _LoRAMode:
         # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
@@ -136,6 +139,8 @@ class _LoRAMode(TorchFunctionMode):
         for route in self.all_routes():
             route.merged = None
         self.shared = None  # likewise the siblings' h: a recompute's x is a new tensor
+        if self.groups is not None:
+            self.groups.reset()
         return super().__enter__()
 
     def all_routes(self) -> list[_Route]:
@@ -317,6 +322,12 @@ class _LoRAMode(TorchFunctionMode):
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                      impl=self.impl, where=route.path)
+        if route.siblings and self.groups is not None and _group.GROUP and SHARE_INPUT != "always":
+            y = self.groups.take(route, x, weight, bias)
+            if y is None:
+                y = routed_lora_linear(x, weight, bias, route.lora, self.impl, route.module.training, route.path)
+                self.groups.saw(route, x)
+            return y
         if route.siblings and (SHARE_INPUT == "always" or SHARE_INPUT == "compiled" and torch.compiler.is_compiling()):
             h = self._shared_h(route, x)
             if h is not None:

@@ -1,0 +1,178 @@
+"""Siblings that read one input (q/k/v, gate/up) run as one op at the first one's call.
+
+An eager call learns which adapted layers the model runs one after another on the same input
+tensor (HF attention's q/k/v on the normed hidden states, an MLP's gate/up). From then on the
+first of such a group computes every member's output in one op (``kernels.lora_group``: h in one
+pass over x, dA in one, dx summed inside the GEMMs, one autograd node and one graph replay each
+way for the group) and holds the others' outputs until their own calls, which take them
+when their input is still that tensor, unchanged (its version counter), with the same weight,
+bias and grad mode. A member called otherwise computes alone, and the group is forgotten.
+
+Learned groups are kept per module (weakly: the model is not touched), so every later call of
+the model, with any adapter, starts grouped. Only plain eager autograd on the Triton kernels
+groups (no torch.func level, vmap, compile, dropout, autocast, ``adapter_ids``, trainable
+weights); everything else runs the single op as before. ``GROUP`` turns it off (benchmarks
+compare both in one process).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ._lora_linear import _check_use, _direct_level, _differentiated, _kernels, _use_triton, reference_bwd
+
+GROUP = True
+
+# leader module -> the modules that followed it on its input, in call order (weak: the model's own)
+_LEARNED: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _group_kernels():
+    from ..kernels import lora_group
+
+    return lora_group
+
+
+class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
+    """Outputs y_1..y_n of n siblings over one x as one autograd node (plain eager autograd).
+
+    Inputs after (n, scales): x (..., K), then W_1..W_n, bias_1..bias_n (or None), A_1..A_n,
+    B_1..B_n. The frozen weights and biases get no gradient (the caller groups only those).
+    A differentiated backward (create_graph) runs the reference's ops per sibling. A sibling whose
+    output got no gradient gets none for its factors, as its own op would give.
+    """
+
+    @staticmethod
+    def forward(ctx, n, scales, x, *tensors):
+        weights, biases, a, b = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        lead = x.shape[:-1] if x.dim() > 2 else ()
+        ys, h = _group_kernels().group_fwd(x2, weights, biases, a, b, scales, lead=lead, graphed=True)
+        ctx.save_for_backward(x2, h, *weights, *a, *b)
+        ctx.n, ctx.scales, ctx.x_shape = n, scales, x.shape
+        ctx.set_materialize_grads(False)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        n = ctx.n
+        x2, h, *rest = ctx.saved_tensors
+        weights, a, b = rest[:n], rest[n:2 * n], rest[2 * n:]
+        need_x = ctx.needs_input_grad[2]
+        dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
+        if any(d is not None and _differentiated(d) for d in dys2):
+            dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
+        else:
+            dx, das, dbs = _group_kernels().group_bwd(dys2, x2, weights, a, b, h, ctx.scales, need_x, graphed=True)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        needs = ctx.needs_input_grad[3 + 2 * n:]
+        das = [d if need else None for d, need in zip(das, needs[:n])]
+        dbs = [d if need else None for d, need in zip(dbs, needs[n:])]
+        return (None, None, dx if need_x else None, *([None] * (2 * n)), *das, *dbs)
+
+
+def _reference_bwd(dys, x2, weights, a, b, scales, need_x):
+    """The group's VJP from each sibling's reference (differentiable: create_graph)."""
+    dx, das, dbs = None, [], []
+    for dy, w, a_i, b_i, s in zip(dys, weights, a, b, scales):
+        if dy is None:
+            das.append(None)
+            dbs.append(None)
+            continue
+        h = x2 @ a_i.to(x2.dtype).T  # recomputed with its history, as the single op's double backward does
+        dx_i, da, db = (t[0] for t in reference_bwd(dy[None], x2[None], w[None], a_i[None], b_i[None], h[None], s,
+                                                     0.0, None, need_x))
+        dx = dx_i if dx is None else dx + dx_i
+        das.append(da)
+        dbs.append(db)
+    return (dx if need_x else None), das, dbs
+
+
+class Groups:
+    """One mode's grouping: what it learns from the calls, and the outputs a group holds."""
+
+    def __init__(self, routes: dict[int, Any], impl: str) -> None:
+        self.impl = impl
+        self.by_module = {id(r.module): r for r in routes.values()}
+        self.last: Optional[tuple[Any, Tensor, int]] = None  # the latest call: (route, x, x's version)
+        self.chain: list[Any] = []  # routes run one after another on self.last's x
+        # outputs held for the group's later members: (x, x's version, grad mode, {path: (weight, bias, y)})
+        self.held: Optional[tuple[Tensor, int, bool, dict[str, tuple]]] = None
+
+    def reset(self) -> None:
+        """Forget this entry's calls (the mode is entered again: a checkpointed block's recompute)."""
+        self.last, self.chain, self.held = None, [], None
+
+    def take(self, route: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
+        """``route``'s output from its group (held, or computed now for all as its leader), or None."""
+        held = self.held
+        if held is not None:
+            entry = held[3].pop(route.path, None)
+            if entry is not None and held[0] is x and held[1] == x._version and held[2] == torch.is_grad_enabled() \
+                    and entry[0] is weight and entry[1] is bias:
+                if not held[3]:
+                    self.held = None
+                self.saw(route, x)
+                return entry[2]
+            # a member called on another input, or another layer between: the group was a guess
+            self._forget()
+        followers = _LEARNED.get(route.module)
+        if not followers:
+            return None
+        members = [route] + [self.by_module.get(id(m)) for m in followers]
+        if any(m is None for m in members):
+            return None
+        biases = [bias] + [m.module.bias if isinstance(getattr(m.module, "bias", None), Tensor) else None
+                           for m in members[1:]]
+        weights = [weight] + [m.weight for m in members[1:]]
+        if not self._groupable(members, x, weights, biases):
+            return None
+        loras = [m.lora for m in members]
+        ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), x, *weights, *biases,
+                                    *(l.A for l in loras), *(l.B for l in loras))
+        self.held = (x, x._version, torch.is_grad_enabled(),
+                     {m.path: (w, bias_m, y) for m, w, bias_m, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})
+        self.saw(route, x)
+        return ys[0]
+
+    def _groupable(self, members: list, x: Tensor, weights: list, biases: list) -> bool:
+        if torch.compiler.is_compiling() or x.dim() < 2 or x.numel() == 0 or torch.is_autocast_enabled(x.device.type):
+            return False
+        loras = [m.lora for m in members]
+        if any(m.lora.stacked or m.lora.experts or (m.module.training and m.lora.dropout) for m in members):
+            return False
+        if any(t is not None and t.requires_grad for t in (*weights, *biases)):
+            return False  # a trainable weight needs its own gradient: the single op has it
+        if not _use_triton(self.impl, x) or _direct_level(x, *weights, *(l.A for l in loras), *(l.B for l in loras)):
+            return False
+        for m, w, bias in zip(members, weights, biases):
+            _check_use(x, w, bias, m.lora, m.path)  # the call's own checks, before any launch
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return _group_kernels().fits(x2, weights, [l.rank for l in loras], self.impl)
+
+    def saw(self, route: Any, x: Tensor) -> None:
+        """Learn from a call (alone or taken from a group): ``route`` ran on ``x``; it joins the
+        chain when the chain's last ran on the same, unchanged x and is its sibling."""
+        last = self.last
+        if last is not None and last[1] is x and last[2] == x._version and _among(route, last[0].siblings) \
+                and not _among(route, self.chain):
+            self.chain.append(route)
+            _LEARNED[self.chain[0].module] = tuple(r.module for r in self.chain[1:])
+        else:
+            self.chain = [route]
+        self.last = (route, x, x._version)
+
+    def _forget(self) -> None:
+        """Drop the group whose outputs were held (its leader is the chain's first) and the held outputs."""
+        if self.chain:
+            _LEARNED.pop(self.chain[0].module, None)
+        self.reset()
+
+
+def _among(route: Any, routes: Any) -> bool:
+    """``route`` is one of ``routes`` (identity: a route's fields hold tensors, which == compares)."""
+    return any(r is route for r in routes)

@@ -1,0 +1,187 @@
+"""Siblings run as one op at the first one's call (``_group``): learned from the calls, equal to
+each layer alone (outputs, gradients, double backward), and given up where the guess fails (another
+input, an input written in place, a layer between). Triton's interpreter on the CPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import fastaf as fa
+from fastaf.functional import _group
+
+from .._models import random_adapter, tiny_llama, token_batch
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the grouped op runs the Triton kernels (the interpreter on the CPU)")
+DEVICES = [pytest.param("cpu", marks=needs_interpreter),
+           pytest.param("cuda", marks=[pytest.mark.gpu,
+                                       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the grouped kernels' forward and backward calls; learned groups start empty."""
+    monkeypatch.setattr(_group, "_LEARNED", type(_group._LEARNED)())
+    kernels, calls = _group._group_kernels(), {"fwd": 0, "bwd": 0}
+
+    class Counting:
+        fits = staticmethod(kernels.fits)
+
+        @staticmethod
+        def group_fwd(*args, **kwargs):
+            calls["fwd"] += 1
+            return kernels.group_fwd(*args, **kwargs)
+
+        @staticmethod
+        def group_bwd(*args, **kwargs):
+            calls["bwd"] += 1
+            return kernels.group_bwd(*args, **kwargs)
+
+    monkeypatch.setattr(_group, "_group_kernels", lambda: Counting)
+    return calls
+
+
+def _steps(model, adapter, args: tuple, group: bool, steps: int = 3, create_graph: bool = False):
+    """Per call: (output, gradients of the factors and of the float inputs)."""
+    leaves, spec = pytree.tree_flatten(adapter)
+    out = []
+    previous, _group.GROUP = _group.GROUP, group
+    try:
+        for _ in range(steps):
+            ls = [t.detach().clone().requires_grad_() for t in leaves]
+            ins = [a.detach().clone().requires_grad_() if a.is_floating_point() else a for a in args]
+            y = fa.functional_call(model, pytree.tree_unflatten(ls, spec), tuple(ins), impl="triton")
+            y = y.logits if hasattr(y, "logits") else y
+            wrt = ls + [a for a in ins if a.requires_grad]
+            # allow_unused: a layer whose output is unused leaves its factors without a gradient
+            grads = torch.autograd.grad(y.square().mean(), wrt, create_graph=create_graph, allow_unused=True)
+            if create_graph:  # a second order: the gradient of the gradients' norm
+                grads = torch.autograd.grad(sum(g.square().sum() for g in grads if g is not None), ls,
+                                            allow_unused=True)
+            out.append((y.detach(), [None if g is None else g.detach() for g in grads]))
+    finally:
+        _group.GROUP = previous
+    return out
+
+
+def _assert_same(got, want, bf16: bool = False):
+    tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-4, atol=1e-6)
+    for (y, gs), (y_want, gs_want) in zip(got, want):
+        torch.testing.assert_close(y, y_want, **tol)
+        for g, w in zip(gs, gs_want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_llama_groups_qkv_and_gate_up_and_equals_each_layer_alone(counted, device):
+    """On the GPU in bf16 with launch graphs: the grouped steps replay like the single ones."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = tiny_llama(dtype=dtype).to(device).requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapter = fa.Adapter({p: fa.LoRA(l.A.to(device), l.B.to(device), l.scale) for p, l in adapter.items()})
+    ids = token_batch().to(device)
+    want = _steps(model, adapter, (ids,), group=False)
+    assert counted == {"fwd": 0, "bwd": 0} and not _group._LEARNED
+    got = _steps(model, adapter, (ids,), group=True)
+    _assert_same(got, want, bf16=device != "cpu")
+    names = {m: n for n, m in model.named_modules()}
+    learned = {names[k]: tuple(names[f] for f in v) for k, v in _group._LEARNED.items()}
+    layers = len(model.model.layers)
+    assert learned == {**{f"model.layers.{i}.self_attn.q_proj": (f"model.layers.{i}.self_attn.k_proj",
+                                                                 f"model.layers.{i}.self_attn.v_proj")
+                          for i in range(layers)},
+                       **{f"model.layers.{i}.mlp.gate_proj": (f"model.layers.{i}.mlp.up_proj",) for i in range(layers)}}
+    # the first call learns; the next two run each layer's two groups as one op each way
+    assert counted == {"fwd": 2 * 2 * layers, "bwd": 2 * 2 * layers}
+
+
+class _Siblings(nn.Module):
+    """q, k, v over one input; ``mode`` changes how k and v are called after the first calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = nn.Linear(16, 24), nn.Linear(16, 8), nn.Linear(16, 8, bias=False)
+        self.mode = "same"
+
+    def forward(self, x):
+        q = self.q(x)
+        if self.mode == "other input":
+            k = self.k(x * 2)
+        elif self.mode == "written in place":
+            x.mul_(2.0)  # a new version: the held k was made from the values before the write
+            k = self.k(x)
+        else:
+            k = self.k(x)
+        v = self.v(x)
+        if self.mode == "v unused":
+            return torch.cat([q, k], -1)
+        return torch.cat([q, k, v], -1)
+
+
+@needs_interpreter
+def test_a_member_on_another_input_computes_alone_and_the_group_is_forgotten(counted):
+    model = _Siblings().requires_grad_(False)
+    adapter = random_adapter(model, ["q", "k", "v"])
+    x = torch.randn(2, 5, 16)
+    _steps(model, adapter, (x,), group=True, steps=2)  # learned, then grouped once
+    assert len(_group._LEARNED) == 1 and counted["fwd"] == 1
+    model.mode = "other input"
+    want = _steps(model, adapter, (x,), group=False, steps=1)
+    got = _steps(model, adapter, (x,), group=True, steps=2)
+    _assert_same(got, want * 2)
+    # the broken call grouped once more and then forgot; the next runs each layer alone
+    assert counted["fwd"] == 2 and not _group._LEARNED
+
+
+@needs_interpreter
+def test_an_input_written_in_place_between_members_is_not_taken(counted):
+    """Forward only: the model's write breaks its own backward (the input is saved) either way."""
+    model = _Siblings().requires_grad_(False)
+    adapter = random_adapter(model, ["q", "k", "v"])
+    x = torch.randn(2, 5, 16)
+    _steps(model, adapter, (x,), group=True, steps=2)
+    model.mode = "written in place"
+    with torch.no_grad():
+        _group.GROUP = False
+        try:
+            want = fa.functional_call(model, adapter, x.clone(), impl="triton")
+        finally:
+            _group.GROUP = True
+        got = fa.functional_call(model, adapter, x.clone(), impl="triton")
+    torch.testing.assert_close(got, want)
+    # q's group is forgotten; k and v then ran one after the other on the written x: a group of theirs
+    assert counted["fwd"] == 2 and dict(_group._LEARNED) == {model.k: (model.v,)}
+
+
+@needs_interpreter
+def test_an_unused_output_and_a_second_order(counted):
+    model = _Siblings().requires_grad_(False)
+    adapter = random_adapter(model, ["q", "k", "v"])
+    x = torch.randn(2, 5, 16)
+    model.mode = "v unused"
+    got, want = _steps(model, adapter, (x,), group=True), _steps(model, adapter, (x,), group=False)
+    _assert_same(got, want)
+    assert got[-1][1][4] is None and got[-1][1][5] is None  # v's factors: no gradient, as alone
+    assert counted["fwd"] == 2 and counted["bwd"] == 2  # v's output got no gradient: the group's backward ran
+    model.mode = "same"
+    want = _steps(model, adapter, (x,), group=False, create_graph=True)
+    _assert_same(_steps(model, adapter, (x,), group=True, create_graph=True), want)
+
+
+@needs_interpreter
+def test_trainable_weights_and_dropout_run_each_layer_alone(counted):
+    model = _Siblings()  # weights require grad: they get their own gradients from the single op
+    adapter = random_adapter(model, ["q", "k", "v"])
+    x = torch.randn(2, 5, 16)
+    _steps(model, adapter, (x,), group=True)
+    model.requires_grad_(False)
+    dropped = fa.Adapter({p: fa.LoRA(l.A, l.B, l.scale, dropout=0.1) for p, l in adapter.items()})
+    _steps(model, dropped, (x,), group=True)
+    assert counted == {"fwd": 0, "bwd": 0}
