@@ -408,11 +408,14 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
 
     def train(graphs: bool):
         _graphs.GRAPHS.enabled = graphs
+        # the allocator hands a layer the same blocks step after step once its free blocks settle:
+        # from an empty cache in a few steps (earlier tests' leftovers kept them moving for 6, H100)
+        torch.cuda.empty_cache()
         leaves, spec = pytree.tree_flatten(start)
         leaves = [t.detach().cuda().clone().requires_grad_() for t in leaves]
         opt = torch.optim.SGD(leaves, lr=0.5)
         losses = []
-        for _ in range(6):
+        for _ in range(8):
             out = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (ids,), {"labels": ids},
                                      impl="triton")
             out.loss.backward()
@@ -431,4 +434,4 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=2e-2, atol=0)
     assert want_losses[-1] < want_losses[0]  # the loop trains: the factors move
     for g, w in zip(got, want):
-        assert_close(g.detach(), w.detach().double(), torch.bfloat16, "factor after 6 steps")
+        assert_close(g.detach(), w.detach().double(), torch.bfloat16, "factor after 8 steps")
