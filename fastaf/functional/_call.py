@@ -27,6 +27,9 @@ one pass over its input
 (``_siblings.shared_h``), and a sibling that then runs on that very tensor takes its slice
 (``lora_linear_given_h``). One that runs on another tensor (o_proj, a cross-attention's k and v)
 starts again with the siblings that have not taken a slice yet. The mode holds one input at a time.
+Eagerly, siblings that the calls show running one after another on one input run as one op at
+the first one's call instead (``_group``: one node, h and dA in one pass each, dx summed in the
+GEMMs).
 """
 from __future__ import annotations
 
