@@ -9,7 +9,10 @@ when their input is still that tensor, unchanged (its version counter), with the
 bias and grad mode. A member called otherwise computes alone, and the group is forgotten.
 
 Learned groups are kept per module (weakly: the model is not touched), so every later call of
-the model, with any adapter, starts grouped. Only plain eager autograd on the Triton kernels
+the model, with any adapter, starts grouped. A call reads a leader's group once, at its first
+call in the call, and keeps that for the rest of the call: an activation-checkpointing recompute
+(after the call returned, in its backward) must make the same ops as the forward did, also when
+the forward itself learned or forgot the group. Only plain eager autograd on the Triton kernels
 groups (no torch.func level, vmap, compile, dropout, autocast, ``adapter_ids``, trainable
 weights); everything else runs the single op as before. ``GROUP`` turns it off (benchmarks
 compare both in one process).
@@ -98,13 +101,15 @@ class Groups:
     def __init__(self, routes: dict[int, Any], impl: str) -> None:
         self.impl = impl
         self.by_module = {id(r.module): r for r in routes.values()}
+        self.plan: dict[int, Optional[tuple[nn.Module, ...]]] = {}  # leader -> its group, as this call read it
         self.last: Optional[tuple[Any, Tensor, int]] = None  # the latest call: (route, x, x's version)
         self.chain: list[Any] = []  # routes run one after another on self.last's x
         # outputs held for the group's later members: (x, x's version, grad mode, {path: (weight, bias, y)})
         self.held: Optional[tuple[Tensor, int, bool, dict[str, tuple]]] = None
 
     def reset(self) -> None:
-        """Forget this entry's calls (the mode is entered again: a checkpointed block's recompute)."""
+        """Forget this entry's calls (the mode is entered again: a checkpointed block's recompute),
+        not the groups the call read (``plan``)."""
         self.last, self.chain, self.held = None, [], None
 
     def take(self, route: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
@@ -120,7 +125,9 @@ class Groups:
                 return entry[2]
             # a member called on another input, or another layer between: the group was a guess
             self._forget()
-        followers = _LEARNED.get(route.module)
+        followers = self.plan.get(id(route.module), ())
+        if followers == ():
+            followers = self.plan[id(route.module)] = _LEARNED.get(route.module)
         if not followers:
             return None
         members = [route] + [self.by_module.get(id(m)) for m in followers]
@@ -167,7 +174,8 @@ class Groups:
         self.last = (route, x, x._version)
 
     def _forget(self) -> None:
-        """Drop the group whose outputs were held (its leader is the chain's first) and the held outputs."""
+        """Drop the group whose outputs were held (its leader is the chain's first) for later calls,
+        and the held outputs."""
         if self.chain:
             _LEARNED.pop(self.chain[0].module, None)
         self.reset()

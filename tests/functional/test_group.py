@@ -185,3 +185,25 @@ def test_trainable_weights_and_dropout_run_each_layer_alone(counted):
     dropped = fa.Adapter({p: fa.LoRA(l.A, l.B, l.scale, dropout=0.1) for p, l in adapter.items()})
     _steps(model, dropped, (x,), group=True)
     assert counted == {"fwd": 0, "bwd": 0}
+
+
+@needs_interpreter
+def test_gradient_checkpointing_recomputes_what_the_forward_ran(counted):
+    """The first call learns the groups during its forward; its recompute (in its backward, after
+    the call) must not group yet: a recompute that ran other ops raises a CheckpointError."""
+    from fastaf.functional import checkpoint_context
+
+    model = tiny_llama().requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    want = _steps(model, adapter, (token_batch(),), group=False, steps=1)
+    model.train()
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
+    try:
+        got = _steps(model, adapter, (token_batch(),), group=True)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    _assert_same(got, want * 3)
+    layers = len(model.model.layers)
+    assert counted["fwd"] == 2 * 2 * 2 * layers  # calls 2 and 3, their forward and recompute
