@@ -730,13 +730,17 @@ def scoped_call(
     if compiling:
         with mode:  # tracers see the mode alone (no hooks to register inside a graph)
             return run()
-    if CARRY and _carrier.eligible(model, mode, params):
-        # only calls that receive an adapted weight reach Python, not every torch call of the model
-        with _carrier.carried(mode), _WeightWatch(mode, hooks=False):
-            out = run()
-    else:
-        with mode, _WeightWatch(mode):
-            out = run()
+    try:
+        if CARRY and _carrier.eligible(model, mode, params):
+            # only calls that receive an adapted weight reach Python, not every torch call of the model
+            with _carrier.carried(mode), _WeightWatch(mode, hooks=False):
+                out = run()
+        else:
+            with mode, _WeightWatch(mode):
+                out = run()
+    finally:
+        if mode.groups is not None:  # outputs held for members that never ran: not kept past the call
+            mode.groups.close()
     _check_applied(routes)
     return out
 

@@ -6,15 +6,18 @@ first of such a group computes every member's output in one op (``kernels.lora_g
 pass over x, dA in one, dx summed inside the GEMMs, one autograd node and one graph replay each
 way for the group) and holds the others' outputs until their own calls, which take them
 when their input is still that tensor, unchanged (its version counter), with the same weight,
-bias and grad mode. A member called otherwise computes alone, and the group is forgotten.
+bias and grad mode. A member called otherwise, or not at all before the call ends, computes alone
+(at its call), and the group is forgotten. Inputs are compared by weak reference: grouping keeps
+no activation alive.
 
 Learned groups are kept per module (weakly: the model is not touched), so every later call of
 the model, with any adapter, starts grouped. A call reads a leader's group once, at its first
 call in the call, and keeps that for the rest of the call: an activation-checkpointing recompute
 (after the call returned, in its backward) must make the same ops as the forward did, also when
 the forward itself learned or forgot the group. Only plain eager autograd on the Triton kernels
-groups (no torch.func level, vmap, compile, dropout, autocast, ``adapter_ids``, trainable
-weights); everything else runs the single op as before. ``GROUP`` turns it off (benchmarks
+groups (also below an eager ``torch.func`` grad level, where the model runs as plain autograd;
+not under vmap or compile, nor with dropout, autocast, ``adapter_ids`` or trainable weights);
+everything else runs the single op as before. ``GROUP`` turns it off (benchmarks
 compare both in one process).
 """
 from __future__ import annotations
@@ -102,29 +105,40 @@ class Groups:
         self.impl = impl
         self.by_module = {id(r.module): r for r in routes.values()}
         self.plan: dict[int, Optional[tuple[nn.Module, ...]]] = {}  # leader -> its group, as this call read it
-        self.last: Optional[tuple[Any, Tensor, int]] = None  # the latest call: (route, x, x's version)
+        # the latest call: (route, x by weak reference, x's version): an input is not kept alive
+        self.last: Optional[tuple[Any, weakref.ref, int]] = None
         self.chain: list[Any] = []  # routes run one after another on self.last's x
-        # outputs held for the group's later members: (x, x's version, grad mode, {path: (weight, bias, y)})
-        self.held: Optional[tuple[Tensor, int, bool, dict[str, tuple]]] = None
+        # outputs held for the group's later members:
+        # (leader module, x by weak reference, x's version, grad mode, {path: (weight, bias, y)})
+        self.held: Optional[tuple[nn.Module, weakref.ref, int, bool, dict[str, tuple]]] = None
 
     def reset(self) -> None:
         """Forget this entry's calls (the mode is entered again: a checkpointed block's recompute),
         not the groups the call read (``plan``)."""
         self.last, self.chain, self.held = None, [], None
 
+    def close(self) -> None:
+        """The call is over: outputs still held belong to members that never ran, so their group was
+        a guess (forgotten for later calls); nothing of the call is kept."""
+        if self.held is not None:
+            _LEARNED.pop(self.held[0], None)
+        self.reset()
+
     def take(self, route: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
         """``route``'s output from its group (held, or computed now for all as its leader), or None."""
         held = self.held
         if held is not None:
-            entry = held[3].pop(route.path, None)
-            if entry is not None and held[0] is x and held[1] == x._version and held[2] == torch.is_grad_enabled() \
+            leader, x_ref, version, grad, outputs = held
+            entry = outputs.pop(route.path, None)
+            if entry is not None and x_ref() is x and version == x._version and grad == torch.is_grad_enabled() \
                     and entry[0] is weight and entry[1] is bias:
-                if not held[3]:
+                if not outputs:
                     self.held = None
                 self.saw(route, x)
                 return entry[2]
             # a member called on another input, or another layer between: the group was a guess
-            self._forget()
+            _LEARNED.pop(leader, None)
+            self.reset()
         followers = self.plan.get(id(route.module), ())
         if followers == ():
             followers = self.plan[id(route.module)] = _LEARNED.get(route.module)
@@ -141,7 +155,7 @@ class Groups:
         loras = [m.lora for m in members]
         ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), x, *weights, *biases,
                                     *(l.A for l in loras), *(l.B for l in loras))
-        self.held = (x, x._version, torch.is_grad_enabled(),
+        self.held = (route.module, weakref.ref(x), x._version, torch.is_grad_enabled(),
                      {m.path: (w, bias_m, y) for m, w, bias_m, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})
         self.saw(route, x)
         return ys[0]
@@ -156,8 +170,12 @@ class Groups:
             return False  # a trainable weight needs its own gradient: the single op has it
         if not _use_triton(self.impl, x) or _direct_level(x, *weights, *(l.A for l in loras), *(l.B for l in loras)):
             return False
-        for m, w, bias in zip(members, weights, biases):
-            _check_use(x, w, bias, m.lora, m.path)  # the call's own checks, before any launch
+        _check_use(x, weights[0], biases[0], members[0].lora, members[0].path)  # the leader's own call's checks
+        for m, w, bias in zip(members[1:], weights[1:], biases[1:]):
+            try:  # a follower that would not take x as it is (another dtype, say) runs alone, at its call
+                _check_use(x, w, bias, m.lora, m.path)
+            except (TypeError, ValueError):
+                return False
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return _group_kernels().fits(x2, weights, [l.rank for l in loras], self.impl)
 
@@ -165,20 +183,13 @@ class Groups:
         """Learn from a call (alone or taken from a group): ``route`` ran on ``x``; it joins the
         chain when the chain's last ran on the same, unchanged x and is its sibling."""
         last = self.last
-        if last is not None and last[1] is x and last[2] == x._version and _among(route, last[0].siblings) \
+        if last is not None and last[1]() is x and last[2] == x._version and _among(route, last[0].siblings) \
                 and not _among(route, self.chain):
             self.chain.append(route)
             _LEARNED[self.chain[0].module] = tuple(r.module for r in self.chain[1:])
         else:
             self.chain = [route]
-        self.last = (route, x, x._version)
-
-    def _forget(self) -> None:
-        """Drop the group whose outputs were held (its leader is the chain's first) for later calls,
-        and the held outputs."""
-        if self.chain:
-            _LEARNED.pop(self.chain[0].module, None)
-        self.reset()
+        self.last = (route, weakref.ref(x), x._version)
 
 
 def _among(route: Any, routes: Any) -> bool:

@@ -119,6 +119,8 @@ class _Siblings(nn.Module):
             k = self.k(x)
         else:
             k = self.k(x)
+        if self.mode == "v skipped":
+            return torch.cat([q, k], -1)
         v = self.v(x)
         if self.mode == "v unused":
             return torch.cat([q, k], -1)
@@ -138,6 +140,20 @@ def test_a_member_on_another_input_computes_alone_and_the_group_is_forgotten(cou
     _assert_same(got, want * 2)
     # the broken call grouped once more and then forgot; the next runs each layer alone
     assert counted["fwd"] == 2 and not _group._LEARNED
+
+
+@needs_interpreter
+def test_a_member_that_never_runs_ends_its_group_with_the_call(counted):
+    model = _Siblings().requires_grad_(False)
+    adapter = random_adapter(model, ["q", "k", "v"])
+    x = torch.randn(2, 5, 16)
+    _steps(model, adapter, (x,), group=True, steps=2)
+    model.mode = "v skipped"
+    want = _steps(model, adapter, (x,), group=False, steps=1)
+    _assert_same(_steps(model, adapter, (x,), group=True, steps=2), want * 2)
+    # the first of these calls grouped, held v's output to the end and forgot the group; the
+    # second ran each layer alone and learned what runs now: q and k
+    assert counted["fwd"] == 2 and dict(_group._LEARNED) == {model.q: (model.k,)}
 
 
 @needs_interpreter
