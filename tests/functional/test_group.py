@@ -127,42 +127,33 @@ class _Siblings(nn.Module):
         return torch.cat([q, k, v], -1)
 
 
-@needs_interpreter
-def test_a_member_on_another_input_computes_alone_and_the_group_is_forgotten(counted):
-    model = _Siblings().requires_grad_(False)
-    adapter = random_adapter(model, ["q", "k", "v"])
-    x = torch.randn(2, 5, 16)
-    _steps(model, adapter, (x,), group=True, steps=2)  # learned, then grouped once
-    assert len(_group._LEARNED) == 1 and counted["fwd"] == 1
-    model.mode = "other input"
-    want = _steps(model, adapter, (x,), group=False, steps=1)
-    got = _steps(model, adapter, (x,), group=True, steps=2)
-    _assert_same(got, want * 2)
-    # the broken call grouped once more and then forgot; the next runs each layer alone
-    assert counted["fwd"] == 2 and not _group._LEARNED
-
-
-@needs_interpreter
-def test_a_member_that_never_runs_ends_its_group_with_the_call(counted):
+def _grouped_siblings(counted):
+    """(model, adapter, x) after two grouped calls: q/k/v learned, then run as one op once."""
     model = _Siblings().requires_grad_(False)
     adapter = random_adapter(model, ["q", "k", "v"])
     x = torch.randn(2, 5, 16)
     _steps(model, adapter, (x,), group=True, steps=2)
-    model.mode = "v skipped"
+    assert dict(_group._LEARNED) == {model.q: (model.k, model.v)} and counted["fwd"] == 1
+    return model, adapter, x
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode, learned", [("other input", {}), ("v skipped", {"q": ("k",)})])
+def test_a_broken_group_computes_alone_and_is_forgotten(counted, mode, learned):
+    """k on another input, or v never called: the next call groups once more (the guess), its
+    members compute alone, the group is forgotten, and the call after learns what runs now."""
+    model, adapter, x = _grouped_siblings(counted)
+    model.mode = mode
     want = _steps(model, adapter, (x,), group=False, steps=1)
     _assert_same(_steps(model, adapter, (x,), group=True, steps=2), want * 2)
-    # the first of these calls grouped, held v's output to the end and forgot the group; the
-    # second ran each layer alone and learned what runs now: q and k
-    assert counted["fwd"] == 2 and dict(_group._LEARNED) == {model.q: (model.k,)}
+    assert counted["fwd"] == 2
+    assert dict(_group._LEARNED) == {getattr(model, k): tuple(getattr(model, f) for f in v) for k, v in learned.items()}
 
 
 @needs_interpreter
 def test_an_input_written_in_place_between_members_is_not_taken(counted):
     """Forward only: the model's write breaks its own backward (the input is saved) either way."""
-    model = _Siblings().requires_grad_(False)
-    adapter = random_adapter(model, ["q", "k", "v"])
-    x = torch.randn(2, 5, 16)
-    _steps(model, adapter, (x,), group=True, steps=2)
+    model, adapter, x = _grouped_siblings(counted)
     model.mode = "written in place"
     with torch.no_grad():
         _group.GROUP = False
