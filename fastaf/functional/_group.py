@@ -6,9 +6,11 @@ first of such a group computes every member's output in one op (``kernels.lora_g
 pass over x, dA in one, dx summed inside the GEMMs, one autograd node and one graph replay each
 way for the group) and holds the others' outputs until their own calls, which take them
 when their input is still that tensor, unchanged (its version counter), with the same weight,
-bias and grad mode. A member called otherwise, or not at all before the call ends, computes alone
-(at its call), and the group is forgotten. Inputs are compared by weak reference: grouping keeps
-no activation alive.
+bias (their versions too) and grad mode, outside autocast. A member called otherwise, or not at
+all before the call ends, computes alone (at its call), and its leader never groups again. Inputs
+are compared by weak reference: grouping keeps no activation alive. A write that bypasses the
+version counter (through ``x.data``, a NumPy view) between the members' calls is not seen;
+inference tensors (``torch.inference_mode``) have no version counter and do not group.
 
 Learned groups are kept per module (weakly: the model is not touched), so every later call of
 the model, with any adapter, starts grouped. A call reads a leader's group once, at its first
@@ -32,8 +34,10 @@ from ._lora_linear import _check_use, _direct_level, _differentiated, _kernels, 
 
 GROUP = True
 
-# leader module -> the modules that followed it on its input, in call order (weak: the model's own)
-_LEARNED: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]]" = weakref.WeakKeyDictionary()
+# leader module -> the modules that followed it on its input, in call order; weak both ways (a
+# follower that refers to the model, a hook's closure say, must not keep the model alive)
+_LEARNED: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, ...]]" = weakref.WeakKeyDictionary()
+_GIVEN_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # leaders whose group was a wrong guess
 
 
 def _group_kernels():
@@ -57,7 +61,11 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         lead = x.shape[:-1] if x.dim() > 2 else ()
         ys, h = _group_kernels().group_fwd(x2, weights, biases, a, b, scales, lead=lead, graphed=True)
-        ctx.save_for_backward(x2, h, *weights, *a, *b)
+        ctx.save_for_backward(x2, h, weights[0], *a, *b)
+        # The followers' weights with their versions, not saved: a follower whose weight is written
+        # before its own call (a pre-hook) computes alone, and this node's backward must not raise
+        # for a weight it will not use. One whose output came from here must find it unchanged.
+        ctx.followers = [(w, w._version) for w in weights[1:]]
         ctx.n, ctx.scales, ctx.x_shape = n, scales, x.shape
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -65,8 +73,15 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     @staticmethod
     def backward(ctx, *dys):
         n = ctx.n
-        x2, h, *rest = ctx.saved_tensors
-        weights, a, b = rest[:n], rest[n:2 * n], rest[2 * n:]
+        x2, h, first, *rest = ctx.saved_tensors
+        a, b = rest[:n], rest[n:]
+        weights = [first] + [w for w, _ in ctx.followers]
+        for dy, (w, version) in zip(dys[1:], ctx.followers):
+            if dy is not None and w._version != version:
+                raise RuntimeError(
+                    f"fastaf: the frozen weight {tuple(w.shape)} of a grouped LoRA layer was modified by an inplace "
+                    f"operation after its forward (version {version} then, {w._version} now); its gradient needs it"
+                )
         need_x = ctx.needs_input_grad[2]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
         if any(d is not None and _differentiated(d) for d in dys2):
@@ -108,8 +123,8 @@ class Groups:
         # the latest call: (route, x by weak reference, x's version): an input is not kept alive
         self.last: Optional[tuple[Any, weakref.ref, int]] = None
         self.chain: list[Any] = []  # routes run one after another on self.last's x
-        # outputs held for the group's later members:
-        # (leader module, x by weak reference, x's version, grad mode, {path: (weight, bias, y)})
+        # outputs held for the group's later members: (leader module, x by weak reference, x's
+        # version, grad mode, {path: (weight, its version, bias, its version, y)})
         self.held: Optional[tuple[nn.Module, weakref.ref, int, bool, dict[str, tuple]]] = None
 
     def reset(self) -> None:
@@ -119,29 +134,32 @@ class Groups:
 
     def close(self) -> None:
         """The call is over: outputs still held belong to members that never ran, so their group was
-        a guess (forgotten for later calls); nothing of the call is kept."""
+        a guess (never grouped again); nothing of the call is kept."""
         if self.held is not None:
-            _LEARNED.pop(self.held[0], None)
+            _give_up(self.held[0])
         self.reset()
 
     def take(self, route: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
         """``route``'s output from its group (held, or computed now for all as its leader), or None."""
+        if x.is_inference():  # no version counter: a write between the calls could not be seen
+            return None
         held = self.held
         if held is not None:
             leader, x_ref, version, grad, outputs = held
             entry = outputs.pop(route.path, None)
             if entry is not None and x_ref() is x and version == x._version and grad == torch.is_grad_enabled() \
-                    and entry[0] is weight and entry[1] is bias:
+                    and not torch.is_autocast_enabled(x.device.type) and entry[0] is weight \
+                    and entry[1] == weight._version and entry[2] is bias and entry[3] == _version(bias):
                 if not outputs:
                     self.held = None
                 self.saw(route, x)
-                return entry[2]
-            # a member called on another input, or another layer between: the group was a guess
-            _LEARNED.pop(leader, None)
+                return entry[4]
+            # a member called on another input, after a write, or another layer between: a guess
+            _give_up(leader)
             self.reset()
         followers = self.plan.get(id(route.module), ())
         if followers == ():
-            followers = self.plan[id(route.module)] = _LEARNED.get(route.module)
+            followers = self.plan[id(route.module)] = _learned(route.module)
         if not followers:
             return None
         members = [route] + [self.by_module.get(id(m)) for m in followers]
@@ -156,7 +174,8 @@ class Groups:
         ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), x, *weights, *biases,
                                     *(l.A for l in loras), *(l.B for l in loras))
         self.held = (route.module, weakref.ref(x), x._version, torch.is_grad_enabled(),
-                     {m.path: (w, bias_m, y) for m, w, bias_m, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})
+                     {m.path: (w, w._version, b, _version(b), y)
+                      for m, w, b, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})
         self.saw(route, x)
         return ys[0]
 
@@ -166,15 +185,16 @@ class Groups:
         loras = [m.lora for m in members]
         if any(m.lora.stacked or m.lora.experts or (m.module.training and m.lora.dropout) for m in members):
             return False
-        if any(t is not None and t.requires_grad for t in (*weights, *biases)):
-            return False  # a trainable weight needs its own gradient: the single op has it
+        if any(t is not None and (t.requires_grad or t.is_inference()) for t in (*weights, *biases)):
+            return False  # a trainable weight needs its own gradient (the single op has it); versions
         if not _use_triton(self.impl, x) or _direct_level(x, *weights, *(l.A for l in loras), *(l.B for l in loras)):
             return False
         _check_use(x, weights[0], biases[0], members[0].lora, members[0].path)  # the leader's own call's checks
         for m, w, bias in zip(members[1:], weights[1:], biases[1:]):
-            try:  # a follower that would not take x as it is (another dtype, say) runs alone, at its call
+            try:
                 _check_use(x, w, bias, m.lora, m.path)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError):  # a follower that would not take x (another dtype, say):
+                _give_up(members[0].module)  # it runs alone, at its own call
                 return False
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return _group_kernels().fits(x2, weights, [l.rank for l in loras], self.impl)
@@ -182,14 +202,42 @@ class Groups:
     def saw(self, route: Any, x: Tensor) -> None:
         """Learn from a call (alone or taken from a group): ``route`` ran on ``x``; it joins the
         chain when the chain's last ran on the same, unchanged x and is its sibling."""
+        if x.is_inference():
+            self.last, self.chain = None, []
+            return
         last = self.last
         if last is not None and last[1]() is x and last[2] == x._version and _among(route, last[0].siblings) \
                 and not _among(route, self.chain):
             self.chain.append(route)
-            _LEARNED[self.chain[0].module] = tuple(r.module for r in self.chain[1:])
+            leader = self.chain[0].module
+            if leader not in _GIVEN_UP:
+                _LEARNED[leader] = tuple(weakref.ref(r.module) for r in self.chain[1:])
         else:
             self.chain = [route]
         self.last = (route, weakref.ref(x), x._version)
+
+
+def _version(t: Optional[Tensor]) -> int:
+    return -1 if t is None else t._version
+
+
+def _learned(leader: nn.Module) -> Optional[tuple[nn.Module, ...]]:
+    """The modules learned to follow ``leader``, or None (none, or one of them is gone)."""
+    refs = _LEARNED.get(leader)
+    followers = None if refs is None else tuple(r() for r in refs)
+    return None if followers is None or any(m is None for m in followers) else followers
+
+
+def learned() -> dict[nn.Module, tuple[nn.Module, ...]]:
+    """Every learned group: leader -> the modules that follow it (tests and diagnostics)."""
+    groups = {leader: _learned(leader) for leader in list(_LEARNED.keys())}
+    return {leader: followers for leader, followers in groups.items() if followers}
+
+
+def _give_up(leader: nn.Module) -> None:
+    """A group of ``leader``'s was a wrong guess: it never groups again (no guess, fail, relearn cycle)."""
+    _LEARNED.pop(leader, None)
+    _GIVEN_UP.add(leader)
 
 
 def _among(route: Any, routes: Any) -> bool:
