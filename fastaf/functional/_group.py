@@ -30,7 +30,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ._lora_linear import _check_use, _direct_level, _differentiated, _kernels, _use_triton, reference_bwd
+from ._lora_linear import _check_use, _direct_level, _differentiated, _use_triton, reference_bwd
+from ._siblings import _flat
 
 GROUP = True
 
@@ -58,7 +59,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     @staticmethod
     def forward(ctx, n, scales, x, *tensors):
         weights, biases, a, b = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        x2 = _flat(x)  # (M, K)
         lead = x.shape[:-1] if x.dim() > 2 else ()
         ys, h = _group_kernels().group_fwd(x2, weights, biases, a, b, scales, lead=lead, graphed=True)
         ctx.save_for_backward(x2, h, weights[0], *a, *b)
@@ -196,8 +197,7 @@ class Groups:
             except (TypeError, ValueError):  # a follower that would not take x (another dtype, say):
                 _give_up(members[0].module)  # it runs alone, at its own call
                 return False
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return _group_kernels().fits(x2, weights, [l.rank for l in loras], self.impl)
+        return _group_kernels().fits(_flat(x), weights, [l.rank for l in loras], self.impl)
 
     def saw(self, route: Any, x: Tensor) -> None:
         """Learn from a call (alone or taken from a group): ``route`` ran on ``x``; it joins the

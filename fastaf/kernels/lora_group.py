@@ -67,7 +67,7 @@ def group_fwd(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
 def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: Sequence[torch.Tensor],
               a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], h: torch.Tensor, scales: Sequence[float],
               needs_dx: bool, *, graphed: bool = False
-              ) -> tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]:
+              ) -> tuple[Optional[torch.Tensor], list[Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
     """(dx (M, K) in x's dtype or None, dA_i (r_i, K) in a[i]'s dtype and dB_i (N_i, r_i) in b[i]'s,
     both None where dys[i] is None). dys[i] (M, N_i) or None; h (M, R) the forward's.
 
