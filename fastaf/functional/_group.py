@@ -50,14 +50,14 @@ def _group_kernels():
 class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     """Outputs y_1..y_n of n siblings over one x as one autograd node (plain eager autograd).
 
-    Inputs after (n, scales): x (..., K), then W_1..W_n, bias_1..bias_n (or None), A_1..A_n,
-    B_1..B_n. The frozen weights and biases get no gradient (the caller groups only those).
-    A differentiated backward (create_graph) runs the reference's ops per sibling. A sibling whose
+    Inputs after (n, scales, paths: the members' module paths, for errors): x (..., K), then
+    W_1..W_n, bias_1..bias_n (or None), A_1..A_n, B_1..B_n. The frozen weights and biases get no
+    gradient (the caller groups only those). A differentiated backward (create_graph) runs the reference's ops per sibling. A sibling whose
     output got no gradient gets none for its factors, as its own op would give.
     """
 
     @staticmethod
-    def forward(ctx, n, scales, x, *tensors):
+    def forward(ctx, n, scales, paths, x, *tensors):
         weights, biases, a, b = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
         x2 = _flat(x)  # (M, K)
         lead = x.shape[:-1] if x.dim() > 2 else ()
@@ -67,7 +67,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         # before its own call (a pre-hook) computes alone, and this node's backward must not raise
         # for a weight it will not use. One whose output came from here must find it unchanged.
         ctx.followers = [(w, w._version) for w in weights[1:]]
-        ctx.n, ctx.scales, ctx.x_shape = n, scales, x.shape
+        ctx.n, ctx.scales, ctx.paths, ctx.x_shape = n, scales, paths, x.shape
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -77,13 +77,13 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         x2, h, first, *rest = ctx.saved_tensors
         a, b = rest[:n], rest[n:]
         weights = [first] + [w for w, _ in ctx.followers]
-        for dy, (w, version) in zip(dys[1:], ctx.followers):
+        for dy, (w, version), path in zip(dys[1:], ctx.followers, ctx.paths[1:]):
             if dy is not None and w._version != version:
                 raise RuntimeError(
-                    f"fastaf: the frozen weight {tuple(w.shape)} of a grouped LoRA layer was modified by an inplace "
-                    f"operation after its forward (version {version} then, {w._version} now); its gradient needs it"
+                    f"fastaf: {path}: its frozen weight {tuple(w.shape)} was modified by an inplace operation after "
+                    f"its forward (version {version} then, {w._version} now); its gradient needs it"
                 )
-        need_x = ctx.needs_input_grad[2]
+        need_x = ctx.needs_input_grad[3]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
         if any(d is not None and _differentiated(d) for d in dys2):
             dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
@@ -91,10 +91,10 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
             dx, das, dbs = _group_kernels().group_bwd(dys2, x2, weights, a, b, h, ctx.scales, need_x, graphed=True)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        needs = ctx.needs_input_grad[3 + 2 * n:]
+        needs = ctx.needs_input_grad[4 + 2 * n:]
         das = [d if need else None for d, need in zip(das, needs[:n])]
         dbs = [d if need else None for d, need in zip(dbs, needs[n:])]
-        return (None, None, dx if need_x else None, *([None] * (2 * n)), *das, *dbs)
+        return (None, None, None, dx if need_x else None, *([None] * (2 * n)), *das, *dbs)
 
 
 def _reference_bwd(dys, x2, weights, a, b, scales, need_x):
@@ -172,8 +172,8 @@ class Groups:
         if not self._groupable(members, x, weights, biases):
             return None
         loras = [m.lora for m in members]
-        ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), x, *weights, *biases,
-                                    *(l.A for l in loras), *(l.B for l in loras))
+        ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), tuple(m.path for m in members),
+                                    x, *weights, *biases, *(l.A for l in loras), *(l.B for l in loras))
         self.held = (route.module, weakref.ref(x), x._version, torch.is_grad_enabled(),
                      {m.path: (w, w._version, b, _version(b), y)
                       for m, w, b, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})

@@ -268,3 +268,14 @@ def test_learned_groups_do_not_keep_a_model_alive(counted):
     del model
     gc.collect()
     assert alive() is None and not _group.learned()
+
+
+@needs_interpreter
+def test_a_taken_follower_weight_written_before_backward_is_an_error_naming_it(counted):
+    """As autograd does for a saved tensor: the group's backward needs k's weight as it was."""
+    model, adapter, x = _grouped_siblings(counted)
+    y = fa.functional_call(model, adapter, x.clone().requires_grad_(), impl="triton")
+    with torch.no_grad():
+        model.k.weight.mul_(1.0)
+    with pytest.raises(RuntimeError, match=r"k: its frozen weight \(8, 16\) was modified by an inplace operation"):
+        y.sum().backward()
