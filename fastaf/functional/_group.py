@@ -52,8 +52,9 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
 
     Inputs after (n, scales, paths: the members' module paths, for errors): x (..., K), then
     W_1..W_n, bias_1..bias_n (or None), A_1..A_n, B_1..B_n. The frozen weights and biases get no
-    gradient (the caller groups only those). A differentiated backward (create_graph) runs the reference's ops per sibling. A sibling whose
-    output got no gradient gets none for its factors, as its own op would give.
+    gradient (the caller groups only those). A differentiated backward (create_graph) runs the
+    reference's ops per sibling. A sibling whose output got no gradient gets none for its factors,
+    as its own op would give.
     """
 
     @staticmethod
