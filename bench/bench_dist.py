@@ -10,12 +10,23 @@ Each step: ``torch.func.grad_and_value`` over ``fa.functional_call`` on the rank
 - fsdp2: ``fully_shard`` on every decoder layer and the model; the adapter replicated.
 - ddp: the model replicated; only the adapter's gradients are all-reduced.
 Parity: ``--parity-steps`` steps on a fixed global batch (``--global-batch`` sequences split over
-the ranks) from seed 0; rank 0 saves the adapter to ``--parity-dir/<model>-<engine>-<gpus>.pt``
-and reports ``parity_rel_diff`` (||delta|| / ||A|| over all factors) against the 1-GPU fsdp2
-(else single) adapter of that model when it is there. ``--grad autograd`` differentiates with
-``torch.autograd.grad`` on the adapter's leaves instead of ``torch.func``. Throughput: then ``--timed-steps`` steps at
-``--batch`` sequences per GPU, tokens/s over all GPUs. Rows go to bench/results/dist-<gpu>.json
-(appended: each launch adds its rows).
+the ranks as ids[rank::gpus]) from seed 0, once per name in ``--parity`` (each from the same start):
+- ``exact``: torch's deterministic mode (fastaf's backward on cuBLAS, no atomics) and each rank's
+  share run as micro-batches of ``--micro-batch`` sequences, their gradients summed and averaged.
+  On one GPU with micro-batches of global/2 this computes, bit for bit where every kernel is
+  deterministic, what two ranks compute: the comparison isolates the engine from bf16 rounding
+  that differs with a GEMM's M.
+- ``fast``: the default mode (atomics), each rank's share in one forward: what users run; its
+  1-GPU vs 2-GPU difference includes that rounding, and run-to-run noise. Named twice
+  (``fast,fast``), the second run is also compared with the first: that noise alone.
+Rank 0 saves each adapter to ``--parity-dir/<model>-<engine>-<gpus>-<name>.pt`` and reports
+``||delta|| / ||A||`` over all factors against the 1-GPU fsdp2 (else single) adapter of that model
+and name when it is there: ``parity_rel_diff`` (exact) and ``parity_rel_diff_fast``.
+``--grad autograd`` differentiates with ``torch.autograd.grad`` on the adapter's leaves instead of
+``torch.func``. Throughput: then ``--timed-steps`` steps at each ``--batch`` (sequences per GPU),
+default mode, tokens/s over all GPUs; with fsdp2 also with explicit prefetching
+(``--prefetch``: the next block's all-gather issued one block ahead, forward and backward).
+Rows go to bench/results/dist-<gpu>.json (appended: each launch adds its rows).
 """
 from __future__ import annotations
 
@@ -71,9 +82,12 @@ def main() -> None:
     ap.add_argument("--engine", choices=["single", "fsdp2", "ddp"], required=True)
     ap.add_argument("--model", choices=list(SHAPES), default="1b")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU in the timed steps")
+    ap.add_argument("--batch", type=int, nargs="+", default=[4], help="sequences per GPU in the timed steps")
     ap.add_argument("--global-batch", type=int, default=8, help="sequences per parity step, all GPUs")
     ap.add_argument("--parity-steps", type=int, default=20)
+    ap.add_argument("--parity", default="exact,fast", help="parity runs, comma-separated: exact, fast")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward in exact parity runs")
+    ap.add_argument("--prefetch", action="store_true", help="fsdp2: also time with explicit prefetching")
     ap.add_argument("--timed-steps", type=int, default=10)
     ap.add_argument("--parity-dir", default="/tmp/fastaf-parity")
     ap.add_argument("--grad", choices=["func", "autograd"], default="func",
@@ -81,6 +95,8 @@ def main() -> None:
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
+    if cuda and "exact" in args.parity:  # read by cuBLAS when it starts: before any CUDA work
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -99,9 +115,8 @@ def main() -> None:
         fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0, device=device))
     # B = 0 at init would make the first steps' A gradients zero: start from a B the seed fixes
     g = torch.Generator().manual_seed(1)
-    adapter = adapter.map(lambda p, l: fa.LoRA(l.A, (torch.randn(l.B.shape, generator=g) * 1e-3).to(l.B), l.scale))
-    leaves, spec = pytree.tree_flatten(adapter)
-    opt = torch.optim.AdamW(leaves, lr=1e-4, fused=cuda)
+    start = adapter.map(lambda p, l: fa.LoRA(l.A, (torch.randn(l.B.shape, generator=g) * 1e-3).to(l.B), l.scale))
+    start_leaves, spec = pytree.tree_flatten(start)
     vocab = model.config.vocab_size
     loss_of = lambda ad, ids: fa.functional_call(model, ad, (ids,), {"labels": ids}).loss  # noqa: E731
 
@@ -112,61 +127,134 @@ def main() -> None:
 
     step_fn = torch.func.grad_and_value(loss_of) if args.grad == "func" else autograd_step
 
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        grads, loss = step_fn(pytree.tree_unflatten(leaves, spec), ids)
-        grads = fa.distributed.all_reduce_grads(grads) if world > 1 else grads
-        for p, gr in zip(leaves, pytree.tree_leaves(grads)):
-            p.grad = gr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    def trainer(micro: int | None):
+        """(leaves, step): fresh leaves from ``start`` and AdamW over them; ``step(ids)`` trains
+        on this rank's ``ids`` in forwards of ``micro`` sequences (None: all at once)."""
+        leaves = [t.detach().clone() for t in start_leaves]
+        opt = torch.optim.AdamW(leaves, lr=1e-4, fused=cuda)
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            # strided as ranks split the global batch (ids[rank::gpus]): on one GPU, micro-batches
+            # of global/2 are the two ranks' shares
+            n = len(ids) // micro if micro else 1
+            parts = [ids[j::n] for j in range(n)]
+            total, loss = None, None
+            for part in parts:  # summed, then averaged: what all_reduce_grads does over ranks
+                grads, loss = step_fn(pytree.tree_unflatten(leaves, spec), part)
+                flat = pytree.tree_leaves(grads)
+                total = flat if total is None else [t + g for t, g in zip(total, flat)]
+            grads = pytree.tree_unflatten([t / len(parts) for t in total] if len(parts) > 1 else total, spec)
+            grads = fa.distributed.all_reduce_grads(grads) if world > 1 else grads
+            for p, gr in zip(leaves, pytree.tree_leaves(grads)):
+                p.grad = gr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return leaves, step
 
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} does not split over {world} ranks")
-    for step in range(args.parity_steps):
-        ids = batch(step, args.global_batch, args.seq, vocab, device)
-        loss = train_step(ids[rank::world])
-    final = pytree.tree_unflatten([t.detach().cpu() for t in leaves], spec)
-    parity = None
-    if rank == 0 and args.parity_steps:  # --parity-steps 0: throughput only
-        Path(args.parity_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(final, Path(args.parity_dir) / f"{args.model}-{args.engine}-{world}.pt")
-        # against the first 1-GPU adapter of this model (fsdp2, else single)
-        refs = [Path(args.parity_dir) / f"{args.model}-{e}-1.pt" for e in ("fsdp2", "single")]
-        ref = next((r for r in refs if r.exists()), None)
-        if ref is not None:
-            parity = rel_diff(final, torch.load(ref, weights_only=False))
-        print(f"parity: {args.parity_steps} steps, last loss {float(loss):.4f}, rel diff {parity}", flush=True)
+    if "exact" in args.parity and (args.global_batch // world) % args.micro_batch:
+        raise SystemExit(f"--micro-batch {args.micro_batch} does not split a rank's {args.global_batch // world} sequences")
+    parity: dict[str, float | None] = {}
+    seen: dict[str, fa.Adapter] = {}
+    for name in [n for n in args.parity.split(",") if n] if args.parity_steps else []:
+        if name not in ("exact", "fast"):
+            raise SystemExit(f"--parity: unknown run {name!r} (exact, fast)")
+        exact = name == "exact"
+        # strict: with warn_only=True torch keeps cuDNN attention's nondeterministic backward
+        # (it warns); strict, SDPA skips cuDNN for kernels that are deterministic
+        torch.use_deterministic_algorithms(exact)
+        leaves, step = trainer(args.micro_batch if exact else None)
+        t0 = time.perf_counter()
+        for i in range(args.parity_steps):
+            loss = step(batch(i, args.global_batch, args.seq, vocab, device)[rank::world])
+        torch.use_deterministic_algorithms(False)
+        final = pytree.tree_unflatten([t.detach().cpu() for t in leaves], spec)
+        del leaves, step
+        if cuda:  # the next run at another batch shape: no fragments of this one's
+            torch.cuda.empty_cache()
+        if rank == 0:
+            diff = None
+            if name in seen:  # a repeated run: run-to-run noise alone
+                parity[f"{name}_repeat"] = diff = rel_diff(final, seen[name])
+            else:
+                seen[name] = final
+                Path(args.parity_dir).mkdir(parents=True, exist_ok=True)
+                torch.save(final, Path(args.parity_dir) / f"{args.model}-{args.engine}-{world}-{name}.pt")
+                # against the first 1-GPU adapter of this model and run (fsdp2, else single)
+                refs = [Path(args.parity_dir) / f"{args.model}-{e}-1-{name}.pt" for e in ("fsdp2", "single")]
+                ref = next((r for r in refs if r.exists()), None)
+                if ref is not None:
+                    parity[name] = diff = rel_diff(final, torch.load(ref, weights_only=False))
+            print(f"parity {name}: {args.parity_steps} steps in {time.perf_counter() - t0:.1f} s, "
+                  f"last loss {float(loss):.4f}, rel diff {diff}", flush=True)
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-    for step in range(2):  # warm-up at the timed batch shape
-        train_step(batch(10_000 + step, args.batch, args.seq, vocab, device))
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for step in range(args.timed_steps):
-        train_step(batch(20_000 + step, args.batch, args.seq, vocab, device))
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    seconds = (time.perf_counter() - t0) / args.timed_steps
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-    mems = [None] * world
-    dist.all_gather_object(mems, mem)
+    leaves, step = trainer(None)
+    settings = [("implicit", None)]
+    if args.prefetch and args.engine == "fsdp2":
+        settings.append(("explicit", 1))
+    rows = []
+    for prefetch, ahead in settings:
+        if ahead:
+            _prefetch(model, ahead)
+        for per_gpu in args.batch:
+            row = timed(step, per_gpu, args, vocab, device, cuda, world)
+            if rank == 0:
+                row.update(engine=args.engine, gpus=world, model=args.model, grad=args.grad,
+                           parity_rel_diff=parity.get("exact"), parity_rel_diff_fast=parity.get("fast"),
+                           parity_fast_repeat=parity.get("fast_repeat"), prefetch=prefetch,
+                           seq=args.seq, parity_steps=args.parity_steps, global_batch=args.global_batch,
+                           micro_batch=args.micro_batch)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     if rank == 0:
-        row = {"bench": "dist", "engine": args.engine, "gpus": world, "model": args.model, "grad": args.grad,
-               "tokens_per_s": round(world * args.batch * args.seq / seconds, 1), "step_ms": round(seconds * 1e3, 2),
-               "max_mem_gib": round(max(mems), 2), "parity_rel_diff": parity, "batch_per_gpu": args.batch,
-               "seq": args.seq, "parity_steps": args.parity_steps, "global_batch": args.global_batch}
-        print(json.dumps(row), flush=True)
         name = "dist" + ("-tiny" if args.model == "tiny" else "")
         old = H.RESULTS / f"{name}-{H.slug(H.gpu_name())}.json"
-        rows = json.loads(old.read_text())["rows"] if old.exists() else []
-        H.write_results(name, rows + [row], {})
+        previous = json.loads(old.read_text())["rows"] if old.exists() else []
+        H.write_results(name, previous + rows, {})
     dist.destroy_process_group()
+
+
+def _prefetch(model: torch.nn.Module, ahead: int) -> None:
+    """FSDP2: each block's forward issues the all-gather of the ``ahead`` blocks after it, and its
+    backward those of the ``ahead`` blocks before it (FSDP2's default prefetches one, implicitly)."""
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + ahead])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - ahead):i][::-1])
+
+
+def timed(step, per_gpu: int, args, vocab: int, device: torch.device, cuda: bool, world: int) -> dict:
+    """tokens/s, step time and peak memory over ``--timed-steps`` steps of ``per_gpu`` sequences
+    per GPU (after four warm-up steps); an out-of-memory batch gives a row saying so."""
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    try:
+        for i in range(4):  # warm-up at the timed batch shape (launch graphs captured on repeats)
+            step(batch(10_000 + i, per_gpu, args.seq, vocab, device))
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(args.timed_steps):
+            step(batch(20_000 + i, per_gpu, args.seq, vocab, device))
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        seconds = (time.perf_counter() - t0) / args.timed_steps
+        oom = False
+    except torch.OutOfMemoryError:
+        seconds, oom = float("nan"), True
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    mems = [None] * world
+    dist.all_gather_object(mems, (mem, oom))
+    if any(o for _, o in mems):
+        return {"bench": "dist", "batch_per_gpu": per_gpu, "oom": True}
+    return {"bench": "dist", "batch_per_gpu": per_gpu, "tokens_per_s": round(world * per_gpu * args.seq / seconds, 1),
+            "step_ms": round(seconds * 1e3, 2), "max_mem_gib": round(max(m for m, _ in mems), 2)}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Two processes on gloo: FSDP2 (autograd and eager torch.func, with eager or compiled blocks) and
 data-parallel (torch.func) steps with the adapter outside the model match a single process
 training on the global batch; a call traced whole over FSDP2 modules, and torch.func over them on
-the per-op path, are clear errors; only rank 0 writes files, every rank reads them.
+the per-op path, are clear errors; only rank 0 writes files, every rank reads them. The same
+cases on NCCL, one GPU per rank (marker `gpu`, 2 GPUs).
 
 One spawn runs every case (each process start imports torch and transformers: seconds on CI).
 """
@@ -25,9 +26,18 @@ WORLD, STEPS = 2, 4
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
 
 
-def _batches():
+def _batches(device: torch.device | str = "cpu"):
     """The global batch of each step: 4 sequences, split by rank as ids[rank::WORLD]."""
-    return [token_batch(4, 12, seed=s) for s in range(STEPS)]
+    return [token_batch(4, 12, seed=s).to(device) for s in range(STEPS)]
+
+
+def _model(device: torch.device | str) -> torch.nn.Module:
+    return tiny_llama().to(device)
+
+
+def _to(tree, device: torch.device | str):
+    """An adapter (any pytree of tensors) with every tensor on ``device``."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _loss(model, adapter, ids):
@@ -58,12 +68,12 @@ def _autograd_grad(model, adapter, ids):
     return pytree.tree_unflatten(list(grads), spec)
 
 
-def _sharded(compiled: bool = False) -> torch.nn.Module:
+def _sharded(device: torch.device, compiled: bool = False) -> torch.nn.Module:
     """tiny_llama with each block and the whole model under FSDP2; ``compiled``: each block then
     compiled, as FSDP2 recipes do."""
     from torch.distributed.fsdp import fully_shard
 
-    model = tiny_llama()
+    model = _model(device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -73,18 +83,22 @@ def _sharded(compiled: bool = False) -> torch.nn.Module:
     return model
 
 
-def _worker(rank: int, port: int, folder: str) -> None:
+def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
+    """Every case on this rank; ``backend`` "nccl": on GPU ``rank``, else gloo on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, device_id=device if device.type == "cuda" else None)
     torch.set_num_threads(1)
     results = {}
-    local = [ids[rank::WORLD] for ids in _batches()]
+    local = [ids[rank::WORLD] for ids in _batches(device)]
     # every rank starts from rank 0's adapter, whatever its own seed
-    adapter = fa.distributed.broadcast_adapter(random_adapter(tiny_llama(), TARGETS, seed=10 + rank))
+    adapter = fa.distributed.broadcast_adapter(_to(random_adapter(tiny_llama(), TARGETS, seed=10 + rank), device))
     results["start"] = adapter
     reduce = fa.distributed.all_reduce_grads
-    results["ddp-func"] = _train(tiny_llama(), adapter, local, _func_grad, reduce)
-    sharded = _sharded()
+    results["ddp-func"] = _train(_model(device), adapter, local, _func_grad, reduce)
+    sharded = _sharded(device)
     results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
     # one eager grad level: the sharded model runs below it, under plain autograd
     results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
@@ -97,11 +111,11 @@ def _worker(rank: int, port: int, folder: str) -> None:
         _below_grad.ENABLED = True
     # compiled as FSDP2 recipes compile: each block after fully_shard, the call itself eager
     # (aot_eager: Inductor's CPU codegen adds a minute on CI's 2 cores)
-    results["fsdp2-compiled-autograd"] = _train(_sharded(compiled=True), adapter, local, _autograd_grad, reduce)
+    results["fsdp2-compiled-autograd"] = _train(_sharded(device, compiled=True), adapter, local, _autograd_grad, reduce)
     # torch.func's backward keeps the graph (a vjp_fn may run twice): AOTAutograd's donated buffers
     # refuse that, so blocks differentiated by torch.func are compiled without them
     with torch._functorch.config.patch(donated_buffer=False):
-        results["fsdp2-compiled-func"] = _train(_sharded(compiled=True), adapter, local, _func_grad, reduce)
+        results["fsdp2-compiled-func"] = _train(_sharded(device, compiled=True), adapter, local, _func_grad, reduce)
     try:  # traced whole, FSDP2's unsharding is out of sight: refused
         torch.compile(_loss, backend="aot_eager", fullgraph=True)(sharded, adapter, local[0])
     except Exception as err:
@@ -110,6 +124,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
     results["read"] = fa.read_adapter(folder)
+    results = _to(results, "cpu")
     torch.save(results, os.path.join(folder, f"results{rank}.pt"))
     dist.destroy_process_group()
 
@@ -128,14 +143,13 @@ def _assert_close(a: fa.Adapter, b: fa.Adapter, what: str) -> None:
         assert a[path].scale == b[path].scale, what
 
 
-def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
-    ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
+def _check_ranks(folder, device: torch.device) -> None:
+    """Every rank's cases against one process training on the global batch on ``device``."""
+    ranks = [torch.load(folder / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
     torch.set_num_threads(1)
     start = random_adapter(tiny_llama(), TARGETS, seed=10)
     _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
-    reference = _train(tiny_llama(), start, _batches(), _func_grad)  # one process, global batch
+    reference = _to(_train(_model(device), _to(start, device), _batches(device), _func_grad), "cpu")  # global batch
     for case in ("ddp-func", "fsdp2-autograd", "fsdp2-func", "fsdp2-compiled-autograd", "fsdp2-compiled-func"):
         for r in range(WORLD):
             _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
@@ -144,8 +158,22 @@ def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
         assert "model.layers.0.self_attn.q_proj" in ranks[r]["fsdp2-traced-error"]
         assert "compile each block" in ranks[r]["fsdp2-traced-error"]
         _assert_close(ranks[r]["read"], ranks[0]["fsdp2-autograd"], f"rank {r} read rank 0's file")  # rank 0 wrote
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("results")) == [
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("results")) == [
         "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    _check_ranks(tmp_path, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
+def test_gpu_nccl_ranks_match_one_process(tmp_path):
+    """The same cases on NCCL, one GPU per rank, fp32 (tiny shapes: cuBLAS, no atomics)."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "nccl"), nprocs=WORLD)
+    _check_ranks(tmp_path, torch.device("cuda", 0))
 
 
 def test_helpers_refuse_without_a_process_group():

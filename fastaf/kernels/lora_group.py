@@ -22,7 +22,7 @@ import torch
 
 from fastaf.kernels import _graphs
 from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm
-from fastaf.kernels.lora_linear_plan import _choose, _tf32
+from fastaf.kernels.lora_linear_plan import _alert_atomics, _choose, _tf32
 
 
 def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int], impl: str) -> bool:
@@ -74,6 +74,8 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
     The dA_i are views of one fp32 (R, K) buffer (fp32 factors: returned as they are), as the
     single op's shared gradients are.
     """
+    if torch.are_deterministic_algorithms_enabled():  # turned on after the group's forward
+        _alert_atomics()
     (M, K), R = x.shape, h.shape[1]
     dev = x.device
     ranks = [t.shape[0] for t in a]

@@ -212,6 +212,35 @@ def test_bad_inputs(bad):
         assert "dtype" in msg and ("x" in msg or "weight" in msg) and "(" in msg  # names tensor, shape, dtype
 
 
+@pytest.fixture
+def deterministic_mode(request):
+    """torch.use_deterministic_algorithms(True, warn_only=request.param), restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("deterministic_mode", [False, True], indirect=True, ids=["strict", "warn_only"])
+def test_forced_triton_backward_alerts_in_deterministic_mode(deterministic_mode):
+    """The Triton backward sums with fp32 atomics: forced under torch's deterministic mode it
+    raises, or warns and still computes the right gradients with warn_only=True; the forward
+    (no atomics) runs either way."""
+    x, weight, bias, a, b, dy, _ = make(40, 48, 24, 4, torch.float32, "cpu")
+    y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="triton")
+    warn_only = deterministic_mode
+    if not warn_only:
+        with pytest.raises(RuntimeError, match="deterministic"):
+            ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
+        return
+    with pytest.warns(UserWarning, match="atomics"):
+        dx, da, db = ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
+    _, _, ref_dx, ref_da, ref_db = reference(x, weight, bias, a, b, 0.5, 0.0, None, dy)
+    for got, want in ((dx, ref_dx), (da, ref_da), (db, ref_db)):
+        assert_close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("R", [1, 3, 16, 64, 100])
 def test_r_pad(R):
     pad = _r_pad(R)
@@ -247,6 +276,25 @@ def test_gpu_auto_and_fp32():
     check(1000, 512, 768, 8, dtype=torch.bfloat16, device="cuda", impl="auto", p=0.1)
     check(1000, 512, 768, 8, dtype=torch.float32, device="cuda", impl="triton",
           key="tf32" if torch.backends.cuda.matmul.allow_tf32 else torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("deterministic_mode", [True], indirect=True)
+def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(deterministic_mode, monkeypatch):
+    """impl="auto" under torch's deterministic mode: the backward gives the same bits every run
+    (cuBLAS, where the Triton kernels' atomics would not), and matches fp64. warn_only=True:
+    torch's own cuBLAS alert is not the subject here."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    x, weight, bias, a, b, dy, _ = make(8192, 2048, 2048, 16, torch.bfloat16, "cuda")
+    y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="auto")
+    runs = [ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="auto") for _ in range(3)]
+    for run in runs[1:]:
+        for got, first in zip(run, runs[0]):
+            assert torch.equal(got, first)
+    _, _, ref_dx, ref_da, ref_db = reference(x, weight, bias, a, b, 0.5, 0.0, None, dy)
+    for got, want in zip(runs[0], (ref_dx, ref_da, ref_db)):
+        assert_close(got, want, torch.bfloat16)
 
 
 @pytest.mark.gpu
