@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
+from fastaf.kernels import _graphs  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--parity", default="exact,fast", help="parity runs, comma-separated: exact, fast")
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward in exact parity runs")
     ap.add_argument("--prefetch", action="store_true", help="fsdp2: also time with explicit prefetching")
+    ap.add_argument("--launch-graphs", default="on", help="timed with fastaf's launch graphs: on, off or on,off")
     ap.add_argument("--timed-steps", type=int, default=10)
     ap.add_argument("--parity-dir", default="/tmp/fastaf-parity")
     ap.add_argument("--grad", choices=["func", "autograd"], default="func",
@@ -195,12 +197,16 @@ def main() -> None:
     if args.prefetch and args.engine == "fsdp2":
         settings.append(("explicit", 1))
     rows = []
-    for prefetch, ahead in settings:
+    for (prefetch, ahead), graphs in [(p, g) for p in settings for g in args.launch_graphs.split(",")]:
         if ahead:
             _prefetch(model, ahead)
+        _graphs.GRAPHS.enabled = graphs == "on"
         for per_gpu in args.batch:
+            before = (_graphs.GRAPHS.captures, _graphs.GRAPHS.replays)
             row = timed(step, per_gpu, args, vocab, device, cuda, world)
             if rank == 0:
+                row.update(launch_graphs=graphs, graphs_captured=_graphs.GRAPHS.captures - before[0],
+                           graphs_replayed=_graphs.GRAPHS.replays - before[1])
                 row.update(engine=args.engine, gpus=world, model=args.model, grad=args.grad,
                            parity_rel_diff=parity.get("exact"), parity_rel_diff_fast=parity.get("fast"),
                            parity_fast_repeat=parity.get("fast_repeat"), prefetch=prefetch,

@@ -227,7 +227,7 @@ def test_forced_triton_backward_alerts_in_deterministic_mode(deterministic_mode)
     """The Triton backward sums with fp32 atomics: forced under torch's deterministic mode it
     raises, or warns and still computes the right gradients with warn_only=True; the forward
     (no atomics) runs either way."""
-    x, weight, bias, a, b, dy, _ = make(40, 48, 24, 4, torch.float32, "cpu")
+    x, weight, bias, a, b, dy, _ = make(40, 48, 24, 4, torch.float32, "cuda" if HAS_CUDA else "cpu")
     y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="triton")
     warn_only = deterministic_mode
     if not warn_only:
