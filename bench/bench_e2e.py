@@ -277,6 +277,7 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="result file name (default e2e, e2e-liger)")
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="build every provider first, then time them in ROUNDS interleaved rounds")
+    ap.add_argument("--batch", type=int, default=8, help="sequences of 1024 tokens per step (BENCH.md: 8)")
     ap.add_argument("--profile", default="", metavar="PROVIDERS",
                     help="after timing, profile these providers' host and device time over 3 steps")
     args = ap.parse_args()
@@ -284,7 +285,7 @@ def main() -> None:
     model = make_model(args.tiny, device)
     model = _liger(model) if args.liger else model
     providers = args.providers or ",".join(LIGER_PROVIDERS if args.liger else PROVIDERS)
-    batch, seq = (2, 64) if args.tiny else (8, 1024)
+    batch, seq = (2, 64) if args.tiny else (args.batch, 1024)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     makers = {"base": base_step, "base-compiled": lambda m, i: base_step(m, i, compiled=True),
               "peft": lambda m, i: peft_step(m, i, bf16=False),
