@@ -31,6 +31,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   level as plain autograd).
 - ``<fastaf provider>-single``: every adapted layer its own op eagerly (``_group.GROUP = False``;
   by default siblings over one input, q/k/v and gate/up, run as one op at the first one's call).
+- ``<fastaf provider>-triton`` / ``-addmm``: every adapted layer on the fused Triton path, or on
+  cuBLAS, whatever the measured dispatch would choose (``_dispatch.OVERRIDE``).
 - ``<fastaf provider>-mode``: an eager call enters a ``TorchFunctionMode`` over the whole call
   (``_call.CARRY = False``) instead of the targeted weights carrying the adapter (``_carrier``).
 - ``--liger``: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy patched into
@@ -56,7 +58,7 @@ from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
 from fastaf.functional import _below_grad, _call, _group  # noqa: E402
-from fastaf.kernels import _graphs  # noqa: E402
+from fastaf.kernels import _dispatch, _graphs  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
@@ -65,7 +67,8 @@ LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fa
 # provider suffix -> (module, flag, value) set around each step: both paths in one process
 SUFFIXES = {"-alone": (_call, "SHARE_INPUT", "never"), "-shared": (_call, "SHARE_INPUT", "always"),
             "-perop": (_below_grad, "ENABLED", False), "-mode": (_call, "CARRY", False),
-            "-single": (_group, "GROUP", False)}
+            "-single": (_group, "GROUP", False), "-triton": (_dispatch, "OVERRIDE", "triton"),
+            "-addmm": (_dispatch, "OVERRIDE", "addmm")}
 
 
 def make_model(tiny: bool, device: str):

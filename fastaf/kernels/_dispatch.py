@@ -20,6 +20,9 @@ from __future__ import annotations
 from fastaf.kernels import _cache
 
 DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
+# benchmarks only: "triton" or "addmm" for every shape in place of the measured choice, so one
+# process can time both paths inside a whole step (bench_e2e's -triton / -addmm providers)
+OVERRIDE: str | None = None
 HOST_MS_PER_LAUNCH = 0.01
 LAUNCHES = {"fwd": 2, "bwd": 3}  # Triton launches per phase: fwd_h + gemm; bwd_dy + bwd_da + gemm
 

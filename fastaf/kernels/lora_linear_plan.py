@@ -156,6 +156,8 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
         # the Triton backward sums dA, dB and dh with fp32 atomics, in an order that changes from
         # run to run; cuBLAS's backward gives the same bits every run (torch's deterministic mode)
         return "addmm"
+    if _dispatch.OVERRIDE is not None:
+        return _dispatch.OVERRIDE
     # memoized: the cache lookup cost ~0.1 ms of host time per call, which doubled the
     # launch-bound M=2048 K=N=4096 forward (1.98x vs 1.21x base on H200)
     memo_key = (phase, x.device.index, M, K, N, R, x.dtype)

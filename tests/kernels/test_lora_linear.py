@@ -299,6 +299,28 @@ def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(deterministic_mod
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_dispatch_override_forces_a_path(monkeypatch):
+    """bench_e2e's -triton / -addmm: the override replaces the measured choice at every shape
+    (not the deterministic mode's cuBLAS backward), and each path stays right."""
+    from fastaf.kernels import _dispatch
+    from fastaf.kernels.lora_linear_plan import _choose
+
+    x = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+    for path in ("triton", "addmm"):
+        monkeypatch.setattr(_dispatch, "OVERRIDE", path)
+        assert {_choose("auto", phase, x, 64, 32, 48, 4) for phase in ("fwd", "bwd")} == {path}
+        check(100, 64, 96, 4, dtype=torch.bfloat16, device="cuda", impl="auto")
+    monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert _choose("auto", "bwd", x, 64, 32, 48, 4) == "addmm"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fast_launch_repeats():
     """Repeated launches take the cached-kernel path and stay right on fresh inputs, also when an
     argument's specialization changes (misaligned view, different dropout, fp16 vs bf16)."""
