@@ -95,9 +95,12 @@ def main() -> None:
     ap.add_argument("--grad", choices=["func", "autograd"], default="func",
                     help="torch.func.grad_and_value, or loss.backward() on the adapter's leaves")
     args = ap.parse_args()
+    runs = [n for n in args.parity.split(",") if n] if args.parity_steps else []
+    if any(n not in ("exact", "fast") for n in runs):
+        raise SystemExit(f"--parity {args.parity!r}: runs are exact, fast")
 
     cuda = torch.cuda.is_available()
-    if cuda and "exact" in args.parity:  # read by cuBLAS when it starts: before any CUDA work
+    if cuda and "exact" in runs:  # read by cuBLAS when it starts: before any CUDA work
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,13 +159,12 @@ def main() -> None:
 
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} does not split over {world} ranks")
-    if "exact" in args.parity and (args.global_batch // world) % args.micro_batch:
-        raise SystemExit(f"--micro-batch {args.micro_batch} does not split a rank's {args.global_batch // world} sequences")
+    if "exact" in runs and (args.global_batch // world) % args.micro_batch:
+        raise SystemExit(f"--micro-batch {args.micro_batch} does not split a rank's "
+                         f"{args.global_batch // world} sequences")
     parity: dict[str, float | None] = {}
     seen: dict[str, fa.Adapter] = {}
-    for name in [n for n in args.parity.split(",") if n] if args.parity_steps else []:
-        if name not in ("exact", "fast"):
-            raise SystemExit(f"--parity: unknown run {name!r} (exact, fast)")
+    for name in runs:
         exact = name == "exact"
         # strict: with warn_only=True torch keeps cuDNN attention's nondeterministic backward
         # (it warns); strict, SDPA skips cuDNN for kernels that are deterministic
@@ -233,7 +235,8 @@ def _prefetch(model: torch.nn.Module, ahead: int) -> None:
 
 def timed(step, per_gpu: int, args, vocab: int, device: torch.device, cuda: bool, world: int) -> dict:
     """tokens/s, step time and peak memory over ``--timed-steps`` steps of ``per_gpu`` sequences
-    per GPU (after four warm-up steps); an out-of-memory batch gives a row saying so."""
+    per GPU (after four warm-up steps). On one process an out-of-memory batch gives a row saying so;
+    on several it ends the launch (a rank that stopped would leave the others in a collective)."""
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -253,6 +256,8 @@ def timed(step, per_gpu: int, args, vocab: int, device: torch.device, cuda: bool
         seconds = (time.perf_counter() - t0) / args.timed_steps
         oom = False
     except torch.OutOfMemoryError:
+        if world > 1:
+            raise
         seconds, oom = float("nan"), True
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     mems = [None] * world

@@ -6,6 +6,8 @@
 # parallel on 2 GPUs (parity; timed at 4). Logs under $OUT.
 # MODE=timing: FSDP2 on 1 and 2 GPUs, no parity, timed with fastaf's launch graphs on and off,
 # at BATCHES (default "4 8").
+# MODE=scaling: bench_dist_scaling.py, FSDP2 on 1 and on 2 GPUs in one launch, interleaved rounds,
+# at BATCHES (default "8").
 # Env: LAUNCH_TIMEOUT (s per launch, default 240), EXPANDABLE=1 (expandable segments).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,6 +29,15 @@ launch() {  # launch GPUS LOG ARGS...
   grep -E '^parity|^\{' "$OUT/$log.log" | sed 's/^/   /'
 }
 for model in "$@"; do
+  if [ "${MODE:-parity}" = scaling ]; then
+    for bs in ${BATCHES:-8}; do
+      echo "== $model-scaling-$bs"
+      CUDA_VISIBLE_DEVICES=0,1 timeout "${LAUNCH_TIMEOUT:-240}" torchrun --standalone --nproc-per-node 2 \
+        bench/bench_dist_scaling.py --model "$model" --batch "$bs" >"$OUT/$model-scaling-$bs.log" 2>&1
+      echo "   rc=$?"; grep -E '^round|^\{' "$OUT/$model-scaling-$bs.log" | sed 's/^/   /'
+    done
+    continue
+  fi
   if [ "${MODE:-parity}" = timing ]; then
     for g in 1 2; do
       launch $g "$model-fsdp2-$g-timing" --engine fsdp2 --model "$model" --grad autograd --parity-steps 0 \

@@ -47,18 +47,25 @@ def _group_kernels():
     return lora_group
 
 
+def _alert_atomics(op: str) -> None:
+    from ..kernels import _dispatch
+
+    _dispatch.alert_atomics(op)
+
+
 class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     """Outputs y_1..y_n of n siblings over one x as one autograd node (plain eager autograd).
 
-    Inputs after (n, scales, paths: the members' module paths, for errors): x (..., K), then
-    W_1..W_n, bias_1..bias_n (or None), A_1..A_n, B_1..B_n. The frozen weights and biases get no
-    gradient (the caller groups only those). A differentiated backward (create_graph) runs the
-    reference's ops per sibling. A sibling whose output got no gradient gets none for its factors,
-    as its own op would give.
+    Inputs after (n, scales, paths: the members' module paths, for errors, impl): x (..., K),
+    then W_1..W_n, bias_1..bias_n (or None), A_1..A_n, B_1..B_n. The frozen weights and biases get
+    no gradient (the caller groups only those). A differentiated backward (create_graph), or one
+    under torch's deterministic mode turned on after the forward (the kernels sum with atomics),
+    runs the reference's ops per sibling. A sibling whose output got no gradient gets none for its
+    factors, as its own op would give.
     """
 
     @staticmethod
-    def forward(ctx, n, scales, paths, x, *tensors):
+    def forward(ctx, n, scales, paths, impl, x, *tensors):
         weights, biases, a, b = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
         x2 = _flat(x)  # (M, K)
         lead = x.shape[:-1] if x.dim() > 2 else ()
@@ -68,7 +75,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         # before its own call (a pre-hook) computes alone, and this node's backward must not raise
         # for a weight it will not use. One whose output came from here must find it unchanged.
         ctx.followers = [(w, w._version) for w in weights[1:]]
-        ctx.n, ctx.scales, ctx.paths, ctx.x_shape = n, scales, paths, x.shape
+        ctx.n, ctx.scales, ctx.paths, ctx.impl, ctx.x_shape = n, scales, paths, impl, x.shape
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -84,18 +91,21 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
                     f"fastaf: {path}: its frozen weight {tuple(w.shape)} was modified by an inplace operation after "
                     f"its forward (version {version} then, {w._version} now); its gradient needs it"
                 )
-        need_x = ctx.needs_input_grad[3]
+        need_x = ctx.needs_input_grad[4]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
-        if any(d is not None and _differentiated(d) for d in dys2):
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic and ctx.impl == "triton":
+            _alert_atomics("the grouped siblings' backward")
+        if deterministic or any(d is not None and _differentiated(d) for d in dys2):
             dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
         else:
             dx, das, dbs = _group_kernels().group_bwd(dys2, x2, weights, a, b, h, ctx.scales, need_x, graphed=True)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        needs = ctx.needs_input_grad[4 + 2 * n:]
+        needs = ctx.needs_input_grad[5 + 2 * n:]
         das = [d if need else None for d, need in zip(das, needs[:n])]
         dbs = [d if need else None for d, need in zip(dbs, needs[n:])]
-        return (None, None, None, dx if need_x else None, *([None] * (2 * n)), *das, *dbs)
+        return (None, None, None, None, dx if need_x else None, *([None] * (2 * n)), *das, *dbs)
 
 
 def _reference_bwd(dys, x2, weights, a, b, scales, need_x):
@@ -174,7 +184,7 @@ class Groups:
             return None
         loras = [m.lora for m in members]
         ys = _LoRAGroupDirect.apply(len(members), tuple(float(l.scale) for l in loras), tuple(m.path for m in members),
-                                    x, *weights, *biases, *(l.A for l in loras), *(l.B for l in loras))
+                                    self.impl, x, *weights, *biases, *(l.A for l in loras), *(l.B for l in loras))
         self.held = (route.module, weakref.ref(x), x._version, torch.is_grad_enabled(),
                      {m.path: (w, w._version, b, _version(b), y)
                       for m, w, b, y in zip(members[1:], weights[1:], biases[1:], ys[1:])})

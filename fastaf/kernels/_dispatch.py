@@ -17,6 +17,10 @@ per Triton launch for what remains and for timing noise: "triton" is chosen only
 """
 from __future__ import annotations
 
+import warnings
+
+import torch
+
 from fastaf.kernels import _cache
 
 DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
@@ -25,6 +29,25 @@ DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
 OVERRIDE: str | None = None
 HOST_MS_PER_LAUNCH = 0.01
 LAUNCHES = {"fwd": 2, "bwd": 3}  # Triton launches per phase: fwd_h + gemm; bwd_dy + bwd_da + gemm
+
+
+def deterministic() -> bool:
+    """torch.use_deterministic_algorithms(True) is set: fastaf's Triton paths that sum with fp32
+    atomics (lora_linear's backward, the grouped siblings' backward, lora_multi's kernels) give
+    way to deterministic ones under impl="auto"."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def alert_atomics(op: str) -> None:
+    """A Triton path that sums with fp32 atomics, forced (impl="triton") in deterministic mode:
+    raise, or warn under ``warn_only=True``, as torch's own nondeterministic ops do."""
+    msg = (f"{op} with impl='triton' sums with fp32 atomics, which is not deterministic, and "
+           "torch.use_deterministic_algorithms(True) is set; impl='auto' takes a deterministic path "
+           "(cuBLAS or torch ops) in this mode")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(msg, stacklevel=3)
+    else:
+        raise RuntimeError(msg)
 
 
 def decide(phase: str, ms: dict[str, float]) -> str:

@@ -20,15 +20,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from fastaf.kernels import _graphs
+from fastaf.kernels import _dispatch, _graphs
 from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm
-from fastaf.kernels.lora_linear_plan import _alert_atomics, _choose, _tf32
+from fastaf.kernels.lora_linear_plan import _choose, _tf32
 
 
 def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int], impl: str) -> bool:
     """Whether every sibling's forward and backward take the Triton kernels at x's (M, K), as each
     alone would (``impl`` "auto": the measured dispatch), so the group never runs a path the
-    dispatch rejected. x (M, K)."""
+    dispatch rejected. x (M, K). Never under torch's deterministic mode: the group's backward
+    sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says."""
+    if _dispatch.deterministic():  # the group's backward sums with atomics: each sibling alone
+        return False
     (M, K), R = x.shape, sum(ranks)
     return all(_choose(impl, phase, x, M, K, w.shape[0], R) == "triton"
                for w in weights for phase in ("fwd", "bwd"))
@@ -74,8 +77,6 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
     The dA_i are views of one fp32 (R, K) buffer (fp32 factors: returned as they are), as the
     single op's shared gradients are.
     """
-    if torch.are_deterministic_algorithms_enabled():  # turned on after the group's forward
-        _alert_atomics()
     (M, K), R = x.shape, h.shape[1]
     dev = x.device
     ranks = [t.shape[0] for t in a]

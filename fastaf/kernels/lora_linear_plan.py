@@ -5,8 +5,9 @@ implementation ``impl="auto"`` runs.
 defaults (``lora_linear_configs``), fitted to shared memory. ``_plan`` memoizes a launcher's
 whole plan (grid, meta-parameters) per shape, and ``_choose`` the dispatch choice
 (``_dispatch``): the launchers run per layer per step, and a repeated shape costs a dict
-lookup. Under ``torch.use_deterministic_algorithms(True)`` ``_choose`` sends every backward to
-cuBLAS: the Triton backward reduces with fp32 atomics. ``clear_memos`` forgets all of them after the tuning cache changed.
+lookup. ``clear_memos`` forgets all of them after the tuning cache changed. Under
+``torch.use_deterministic_algorithms(True)`` ``_choose`` sends every backward to cuBLAS: the
+Triton backward reduces with fp32 atomics.
 """
 from __future__ import annotations
 
@@ -145,14 +146,14 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
                                f"got x on {x.device}")
         if R > MAX_RANK:
             raise ValueError(f"lora_linear: the Triton path supports rank <= {MAX_RANK}, got {R}")
-        if phase == "bwd" and torch.are_deterministic_algorithms_enabled():
-            _alert_atomics()
+        if phase == "bwd" and _dispatch.deterministic():
+            _dispatch.alert_atomics("lora_linear's backward")
         return "triton"
     if impl not in ("auto", "addmm"):
         raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
     if impl == "addmm" or not x.is_cuda or R > MAX_RANK:
         return "addmm"
-    if phase == "bwd" and torch.are_deterministic_algorithms_enabled():
+    if phase == "bwd" and _dispatch.deterministic():
         # the Triton backward sums dA, dB and dh with fp32 atomics, in an order that changes from
         # run to run; cuBLAS's backward gives the same bits every run (torch's deterministic mode)
         return "addmm"
@@ -167,18 +168,6 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
         choice = _dispatch.choose("lora_linear", phase, _key(M=M, K=K, N=N, R=R, dtype=x.dtype), gpu)
         _choice_memo[memo_key] = choice
     return choice
-
-
-def _alert_atomics() -> None:
-    """torch.use_deterministic_algorithms(True) with the Triton backward forced: raise, or warn
-    under ``warn_only=True``, as torch's own nondeterministic ops do."""
-    msg = ("lora_linear: the Triton backward (impl='triton') reduces dA, dB and dh with fp32 atomics, "
-           "which is not deterministic, and torch.use_deterministic_algorithms(True) is set; "
-           "impl='auto' takes the deterministic cuBLAS backward in this mode")
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(msg, stacklevel=3)
-    else:
-        raise RuntimeError(msg)
 
 
 def _num_programs(device: torch.device, tiles: int) -> int:

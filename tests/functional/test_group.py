@@ -279,3 +279,40 @@ def test_a_taken_follower_weight_written_before_backward_is_an_error_naming_it(c
         model.k.weight.mul_(1.0)
     with pytest.raises(RuntimeError, match=r"k: its frozen weight \(8, 16\) was modified by an inplace operation"):
         y.sum().backward()
+
+
+@needs_interpreter
+def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_reference(counted):
+    """The group's backward sums with fp32 atomics. Under torch's deterministic mode no group
+    forms (the forward runs, each sibling alone, even with impl="triton" forced), and a group
+    formed before the mode was turned on runs its backward on the reference's ops, the
+    same gradients as each layer alone, after alerting for the forced impl."""
+    model = tiny_llama().requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    ids = token_batch()
+    want = _steps(model, adapter, (ids,), group=False, steps=1)
+    _steps(model, adapter, (ids,), group=True, steps=1)  # learns the groups
+    assert _group.learned()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():  # grouping would probe the backward's dispatch here: it must not alert
+            fa.functional_call(model, adapter, ids, impl="triton")
+        assert counted["fwd"] == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+    leaves, spec = pytree.tree_flatten(adapter)
+    ls = [t.detach().clone().requires_grad_() for t in leaves]
+    previous, _group.GROUP = _group.GROUP, True
+    try:
+        y = fa.functional_call(model, pytree.tree_unflatten(ls, spec), ids, impl="triton").logits
+    finally:
+        _group.GROUP = previous
+    assert counted["fwd"] == 2 * len(model.model.layers)  # q/k/v and gate/up of each layer
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.warns(UserWarning, match="grouped siblings' backward"):
+            grads = torch.autograd.grad(y.square().mean(), ls)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert counted["bwd"] == 0  # the reference's ops, not the kernels
+    _assert_same([(y.detach(), list(grads))], want)

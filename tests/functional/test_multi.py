@@ -239,6 +239,35 @@ def test_functional_call_on_the_grouped_kernels_equals_the_reference(name):
 
 
 @needs_triton
+@pytest.mark.parametrize("warn_only", [False, True], ids=["strict", "warn_only"])
+def test_forced_grouped_kernels_alert_in_deterministic_mode(warn_only):
+    """lora_multi's kernels sum with fp32 atomics: forced (impl="triton") under torch's
+    deterministic mode, a mixed batch and a vmap over a stack raise, or warn and still compute
+    the reference's values."""
+    from fastaf.functional._multi import lora_linear_multi
+
+    x, w, bias, stack = _op_inputs(3, 6)
+    ids = torch.tensor([2, 0, 1])
+    f = lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl="triton")  # noqa: E731
+    want_multi = lora_linear_multi(x, w, bias, stack, ids, impl="torch")
+    want_vmap = torch.stack([f(x[i], fa.LoRA(stack.A[i], stack.B[i], stack.scale)) for i in range(3)])
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        if not warn_only:
+            with pytest.raises(RuntimeError, match="many adapters.*deterministic"):
+                lora_linear_multi(x, w, bias, stack, ids, impl="triton")
+            with pytest.raises(RuntimeError, match="stack's grouped forward.*deterministic"):
+                torch.func.vmap(f)(x, stack)
+            return
+        with pytest.warns(UserWarning, match="many adapters"):
+            assert rel_err(lora_linear_multi(x, w, bias, stack, ids, impl="triton"), want_multi) < 1e-5
+        with pytest.warns(UserWarning, match="stack's grouped forward"):
+            assert rel_err(torch.func.vmap(f)(x, stack), want_vmap) < 1e-5
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@needs_triton
 def test_ids_any_layout_int32_or_strided_give_the_same_result():
     from fastaf.functional._multi import lora_linear_multi
 

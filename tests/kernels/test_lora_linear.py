@@ -282,11 +282,17 @@ def test_gpu_auto_and_fp32():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("deterministic_mode", [True], indirect=True)
 def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(deterministic_mode, monkeypatch):
-    """impl="auto" under torch's deterministic mode: the backward gives the same bits every run
-    (cuBLAS, where the Triton kernels' atomics would not), and matches fp64. warn_only=True:
-    torch's own cuBLAS alert is not the subject here."""
+    """impl="auto" under torch's deterministic mode: the backward takes cuBLAS even where the
+    dispatch would take the Triton kernels (forced here by the benchmarks' override), gives the same
+    bits every run, and matches fp64. warn_only=True: torch's own cuBLAS alert is not the subject."""
+    from fastaf.kernels import _dispatch
+    from fastaf.kernels.lora_linear_plan import _choose
+
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
     x, weight, bias, a, b, dy, _ = make(8192, 2048, 2048, 16, torch.bfloat16, "cuda")
+    assert _choose("auto", "fwd", x, 8192, 2048, 2048, 16) == "triton"
+    assert _choose("auto", "bwd", x, 8192, 2048, 2048, 16) == "addmm"
     y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="auto")
     runs = [ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="auto") for _ in range(3)]
     for run in runs[1:]:
