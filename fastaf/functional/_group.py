@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ._lora_linear import _check_use, _direct_level, _differentiated, _use_triton, reference_bwd
+from ._lora_linear import _atomics_ok, _check_use, _direct_level, _differentiated, _use_triton, reference_bwd
 from ._siblings import _flat
 
 GROUP = True
@@ -47,20 +47,14 @@ def _group_kernels():
     return lora_group
 
 
-def _alert_atomics(op: str) -> None:
-    from ..kernels import _dispatch
-
-    _dispatch.alert_atomics(op)
-
-
 class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     """Outputs y_1..y_n of n siblings over one x as one autograd node (plain eager autograd).
 
     Inputs after (n, scales, paths: the members' module paths, for errors, impl): x (..., K),
     then W_1..W_n, bias_1..bias_n (or None), A_1..A_n, B_1..B_n. The frozen weights and biases get
     no gradient (the caller groups only those). A differentiated backward (create_graph), or one
-    under torch's deterministic mode turned on after the forward (the kernels sum with atomics),
-    runs the reference's ops per sibling. A sibling whose output got no gradient gets none for its
+    under torch's deterministic mode turned on after the forward with impl "auto" (the kernels sum
+    with atomics; a forced "triton" alerts), runs the reference's ops per sibling. A sibling whose output got no gradient gets none for its
     factors, as its own op would give.
     """
 
@@ -93,10 +87,8 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
                 )
         need_x = ctx.needs_input_grad[4]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        if deterministic and ctx.impl == "triton":
-            _alert_atomics("the grouped siblings' backward")
-        if deterministic or any(d is not None and _differentiated(d) for d in dys2):
+        kernels_ok = _atomics_ok(ctx.impl, "the grouped siblings' backward")
+        if not kernels_ok or any(d is not None and _differentiated(d) for d in dys2):
             dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
         else:
             dx, das, dbs = _group_kernels().group_bwd(dys2, x2, weights, a, b, h, ctx.scales, need_x, graphed=True)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
-from ._lora_linear import (IMPLS, _apply_single_level, _atomics_ok, _autocast, _below, _differentiated, _direct_level,
-                           _direct_ok, _functorch)
+from ._lora_linear import (IMPLS, _apply_single_level, _atomics_ok, _autocast, _below, _differentiated,
+                           _direct_level, _direct_ok, _functorch)
 
 _VMAP = _functorch.TransformType.Vmap
 

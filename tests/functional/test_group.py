@@ -284,9 +284,9 @@ def test_a_taken_follower_weight_written_before_backward_is_an_error_naming_it(c
 @needs_interpreter
 def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_reference(counted):
     """The group's backward sums with fp32 atomics. Under torch's deterministic mode no group
-    forms (the forward runs, each sibling alone, even with impl="triton" forced), and a group
-    formed before the mode was turned on runs its backward on the reference's ops, the
-    same gradients as each layer alone, after alerting for the forced impl."""
+    forms (the forward runs, each sibling alone, even with impl="triton" forced). A group formed
+    before the mode was turned on alerts in its backward for the forced impl: strict, it raises;
+    warn_only, it warns and computes the same gradients as each layer alone."""
     model = tiny_llama().requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     ids = token_batch()
@@ -308,11 +308,40 @@ def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_ref
     finally:
         _group.GROUP = previous
     assert counted["fwd"] == 2 * len(model.model.layers)  # q/k/v and gate/up of each layer
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    loss = y.square().mean()
+    torch.use_deterministic_algorithms(True)
     try:
+        with pytest.raises(RuntimeError, match="grouped siblings' backward.*deterministic"):
+            torch.autograd.grad(loss, ls, retain_graph=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match="grouped siblings' backward"):
-            grads = torch.autograd.grad(y.square().mean(), ls)
+            grads = torch.autograd.grad(loss, ls)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert counted["bwd"] == 0  # the reference's ops, not the kernels
+    _assert_same([(y.detach(), list(grads))], want)
+
+
+@needs_interpreter
+def test_a_group_formed_under_auto_runs_its_backward_on_the_reference_in_deterministic_mode(counted, monkeypatch):
+    """impl="auto" (grouped as on a GPU where the dispatch takes the Triton kernels: forced here on
+    the CPU), deterministic mode turned on between the forward and the backward: no alert, the
+    reference's ops instead of the group's kernels, the same gradients as each layer alone."""
+    model = tiny_llama().requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    ids = token_batch()
+    want = _steps(model, adapter, (ids,), group=False, steps=1)
+    monkeypatch.setattr(_group, "_use_triton", lambda impl, x: True)
+    monkeypatch.setattr(_group._group_kernels(), "fits", lambda *args: True)
+    leaves, spec = pytree.tree_flatten(adapter)
+    for _ in range(2):  # the first call learns the groups, the second groups
+        ls = [t.detach().clone().requires_grad_() for t in leaves]
+        y = fa.functional_call(model, pytree.tree_unflatten(ls, spec), ids).logits
+    assert counted["fwd"] == 2 * len(model.model.layers)
+    loss = y.square().mean()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = torch.autograd.grad(loss, ls)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert counted["bwd"] == 0  # the reference's ops, not the group's kernels
     _assert_same([(y.detach(), list(grads))], want)
