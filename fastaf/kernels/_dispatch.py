@@ -13,7 +13,13 @@ fused forward, 6 us faster on the GPU, ran at 3x the base through autograd where
 1.26x. With it a launch costs ~14 us plus a ~6 us allocation, about a cuBLAS call's 15-23 us on
 the H200 machine's host (bench/diag_linear.py, 2026-11-22). ``HOST_MS_PER_LAUNCH`` keeps 10 us
 per Triton launch for what remains and for timing noise: "triton" is chosen only when
-``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``.
+``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``. The cuBLAS path's own launches
+(5 forward, 9 backward with fp32 factors) are not charged. Inside a whole eager step that rule
+chose cuBLAS for a 1B model's layers at M=4096 where the Triton path, graphed and grouped, made
+the step 1.33x the base instead of 1.74x (H100, README "Known gap").
+
+Two things overrule the data: torch's deterministic mode (``deterministic``: the paths that sum
+with fp32 atomics give way) and ``OVERRIDE``, which benchmarks set to time one path everywhere.
 """
 from __future__ import annotations
 
