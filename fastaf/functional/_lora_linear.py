@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 
@@ -152,20 +153,6 @@ def _use_triton(impl: str, x: Tensor) -> bool:
     return x.is_cuda and _kernels().available(x)
 
 
-def _atomics_ok(impl: str, op: str) -> bool:
-    """Whether a Triton path that sums with fp32 atomics (``op``, for the message) may run: always,
-    but under torch's deterministic mode, where impl="auto" takes its deterministic path (False)
-    and a forced impl="triton" alerts (raises; warns and runs under ``warn_only=True``)."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return True
-    if impl == "triton":
-        from ..kernels import _dispatch
-
-        _dispatch.alert_atomics(op)
-        return True
-    return False
-
-
 def _single_group(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or t.shape[0] == 1 for t in tensors)
 
@@ -201,7 +188,7 @@ def _fwd_impl(
         )
         return y[None], h[None]
     layout = (_grouped_layout(x, weight, bias, a, b, dropout_p)
-              if _use_triton(impl, x) and _atomics_ok(impl, "a stack's grouped forward") else None)
+              if _use_triton(impl, x) and atomics_ok(impl, "a stack's grouped forward") else None)
     if layout is not None:
         G, M, K = a.shape[0], x.shape[1], x.shape[2]
         bias0 = None if bias is None else bias[0]
@@ -249,7 +236,7 @@ def _bwd_impl(
         # where cuBLAS ran, the factors' gradients come in x's dtype: the op's are the factors'
         return dx, _as_dtype(da, a.dtype)[None], _as_dtype(db, b.dtype)[None]
     layout = (_grouped_layout(x, weight, None, a, b, dropout_p)
-              if _use_triton(impl, x) and _atomics_ok(impl, "a stack's grouped backward") else None)
+              if _use_triton(impl, x) and atomics_ok(impl, "a stack's grouped backward") else None)
     if layout is not None:
         G, M, K, N = a.shape[0], x.shape[1], x.shape[2], dy.shape[2]
         dy2, h2 = dy.reshape(G * M, N), h.reshape(G * M, -1).contiguous()

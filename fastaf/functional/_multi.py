@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
-from ._lora_linear import (IMPLS, _apply_single_level, _atomics_ok, _autocast, _below, _differentiated,
-                           _direct_level, _direct_ok, _functorch)
+from ._lora_linear import (IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
+                           _direct_ok, _functorch)
 
 _VMAP = _functorch.TransformType.Vmap
 
@@ -115,15 +116,15 @@ def _kernels():
 def _use_kernels(impl: str, x: Tensor, a: Tensor) -> bool:
     """Whether lora_multi's Triton kernels run. They sum h and dh with fp32 atomics where a
     reduction is split: under torch's deterministic mode impl="auto" takes the reference (torch
-    ops) and a forced impl="triton" alerts (``_atomics_ok``)."""
+    ops) and a forced impl="triton" alerts (``atomics_ok``)."""
     if impl == "torch" or x.shape[0] == 0:
         return False
     if impl == "triton":
         if not _kernels().supported(x, a):
             raise RuntimeError(f"impl='triton': the grouped kernels cannot run on x {tuple(x.shape)} {x.dtype} "
                                f"on {x.device} with a stack of rank {a.shape[1]}")
-        return _atomics_ok(impl, "lora_linear_multi (many adapters)")
-    return x.is_cuda and _kernels().supported(x, a) and _atomics_ok(impl, "lora_linear_multi (many adapters)")
+        return atomics_ok(impl, "lora_linear_multi (many adapters)")
+    return x.is_cuda and _kernels().supported(x, a) and atomics_ok(impl, "lora_linear_multi (many adapters)")
 
 
 def _fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,

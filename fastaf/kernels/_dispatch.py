@@ -18,7 +18,7 @@ per Triton launch for what remains and for timing noise: "triton" is chosen only
 chose cuBLAS for a 1B model's layers at M=4096 where the Triton path, graphed and grouped, made
 the step 1.33x the base instead of 1.74x (H100, README "Known gap").
 
-Two things overrule the data: torch's deterministic mode (``deterministic``: the paths that sum
+Two things overrule the data: torch's deterministic mode (``atomics_ok``: the paths that sum
 with fp32 atomics give way) and ``OVERRIDE``, which benchmarks set to time one path everywhere.
 """
 from __future__ import annotations
@@ -37,23 +37,22 @@ HOST_MS_PER_LAUNCH = 0.01
 LAUNCHES = {"fwd": 2, "bwd": 3}  # Triton launches per phase: fwd_h + gemm; bwd_dy + bwd_da + gemm
 
 
-def deterministic() -> bool:
-    """torch.use_deterministic_algorithms(True) is set: fastaf's Triton paths that sum with fp32
-    atomics (lora_linear's backward, the grouped siblings' backward, lora_multi's kernels) give
-    way to deterministic ones under impl="auto"."""
-    return torch.are_deterministic_algorithms_enabled()
-
-
-def alert_atomics(op: str) -> None:
-    """A Triton path that sums with fp32 atomics, forced (impl="triton") in deterministic mode:
-    raise, or warn under ``warn_only=True``, as torch's own nondeterministic ops do."""
+def atomics_ok(impl: str, op: str) -> bool:
+    """Whether a Triton path that sums with fp32 atomics (``op``, named in the message) may run:
+    always, but under ``torch.use_deterministic_algorithms(True)``, where impl="auto" takes its
+    deterministic path (False: cuBLAS or torch ops) and a forced impl="triton" alerts as torch's own
+    nondeterministic ops do (raises; warns and runs under ``warn_only=True``)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return True
+    if impl != "triton":
+        return False
     msg = (f"{op} with impl='triton' sums with fp32 atomics, which is not deterministic, and "
            "torch.use_deterministic_algorithms(True) is set; impl='auto' takes a deterministic path "
            "(cuBLAS or torch ops) in this mode")
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(msg, stacklevel=3)
-    else:
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
         raise RuntimeError(msg)
+    warnings.warn(msg, stacklevel=3)
+    return True
 
 
 def decide(phase: str, ms: dict[str, float]) -> str:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fastaf.kernels import _dispatch, _graphs
+from fastaf.kernels import _graphs
 from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm
 from fastaf.kernels.lora_linear_plan import _choose, _tf32
 
@@ -30,7 +30,7 @@ def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int],
     alone would (``impl`` "auto": the measured dispatch), so the group never runs a path the
     dispatch rejected. x (M, K). Never under torch's deterministic mode: the group's backward
     sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says."""
-    if _dispatch.deterministic():  # the group's backward sums with atomics: each sibling alone
+    if torch.are_deterministic_algorithms_enabled():  # no alert here: each sibling alone decides
         return False
     (M, K), R = x.shape, sum(ranks)
     return all(_choose(impl, phase, x, M, K, w.shape[0], R) == "triton"

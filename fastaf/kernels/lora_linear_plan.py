@@ -146,14 +146,14 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
                                f"got x on {x.device}")
         if R > MAX_RANK:
             raise ValueError(f"lora_linear: the Triton path supports rank <= {MAX_RANK}, got {R}")
-        if phase == "bwd" and _dispatch.deterministic():
-            _dispatch.alert_atomics("lora_linear's backward")
+        if phase == "bwd":
+            _dispatch.atomics_ok(impl, "lora_linear's backward")  # alerts in deterministic mode
         return "triton"
     if impl not in ("auto", "addmm"):
         raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
     if impl == "addmm" or not x.is_cuda or R > MAX_RANK:
         return "addmm"
-    if phase == "bwd" and _dispatch.deterministic():
+    if phase == "bwd" and not _dispatch.atomics_ok(impl, "lora_linear's backward"):
         # the Triton backward sums dA, dB and dh with fp32 atomics, in an order that changes from
         # run to run; cuBLAS's backward gives the same bits every run (torch's deterministic mode)
         return "addmm"
