@@ -77,18 +77,20 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
     The dA_i are views of one fp32 (R, K) buffer (fp32 factors: returned as they are), as the
     single op's shared gradients are.
     """
+    live = [i for i, dy in enumerate(dys) if dy is not None]
+    if not live:
+        return None, [None] * len(dys), [None] * len(dys)
     (M, K), R = x.shape, h.shape[1]
     dev = x.device
     ranks = [t.shape[0] for t in a]
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
-    live = [i for i, dy in enumerate(dys) if dy is not None]
     dy_plans = {i: _bwd_dy_plan(dys[i], b[i], h[:, starts[i]:starts[i] + ranks[i]], None) for i in live}
     da_plan = _bwd_da_plan(x, R, False, None, None)
     da = torch.empty((R, K), device=dev, dtype=torch.float32)
     # db: summed from partials into b's dtype (allocated here), or atomically into a zeroed fp32 buffer
     db = {i: torch.empty((b[i].shape[0], ranks[i]), device=dev,
                          dtype=b[i].dtype if dy_plans[i][1] else torch.float32) for i in live}
-    dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx and live else None
+    dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
 
     def launch() -> None:
         if da_plan[1] > 1:  # split over M: summed atomically
@@ -115,8 +117,6 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
             for i in rest:
                 dx.addmm_(dys[i], weights[i])  # cuBLAS sums into dx: no separate add pass
 
-    if not live:
-        return None, [None] * len(dys), [None] * len(dys)
     if graphed and _graphs.usable(x):
         key = _graphs.call_key((*dys, x, h, *weights, *a, *b, da, *db.values(), dx), "group_bwd", *scales,
                                _tf32(x.dtype))
