@@ -67,6 +67,15 @@ def make_model(name: str, device: torch.device, dtype: torch.dtype):
         return LlamaForCausalLM(cfg).to(dtype).train().requires_grad_(False)
 
 
+def shard(model, mesh=None) -> None:
+    """FSDP2 as its recipes apply it: each decoder layer, then the model (``mesh``: default the world)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def batch(step: int, sequences: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, vocab, (sequences, seq), generator=g).to(device)
@@ -109,11 +118,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     model = make_model(args.model, device, torch.bfloat16 if cuda else torch.float32)
     if args.engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        shard(model)
     elif args.engine == "single" and world != 1:
         raise SystemExit("--engine single runs on one process")
     adapter = fa.distributed.broadcast_adapter(

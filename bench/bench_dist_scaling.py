@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
-from bench.bench_dist import SHAPES, TARGETS, batch, make_model  # noqa: E402
+from bench.bench_dist import SHAPES, TARGETS, batch, make_model, shard  # noqa: E402
 
 import fastaf as fa  # noqa: E402
 
@@ -39,12 +39,8 @@ import fastaf as fa  # noqa: E402
 def engine(model_name: str, device: torch.device, mesh, group, cuda: bool):
     """(step, ranks): FSDP2 over ``mesh``; ``step(ids)`` trains an adapter on this rank's ids and
     averages its gradients over ``group``."""
-    from torch.distributed.fsdp import fully_shard
-
     model = make_model(model_name, device, torch.bfloat16 if cuda else torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, mesh)
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0, device=device)
     leaves, spec = pytree.tree_flatten(adapter)
     opt = torch.optim.AdamW(leaves, lr=1e-4, fused=cuda)
