@@ -14,6 +14,7 @@ import fastaf as fa
 from fastaf.functional import _group
 
 from .._models import random_adapter, tiny_llama, token_batch
+from .._modes import deterministic
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="the grouped op runs the Triton kernels (the interpreter on the CPU)")
@@ -293,13 +294,9 @@ def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_ref
     want = _steps(model, adapter, (ids,), group=False, steps=1)
     _steps(model, adapter, (ids,), group=True, steps=1)  # learns the groups
     assert _group.learned()
-    torch.use_deterministic_algorithms(True)
-    try:
-        with torch.no_grad():  # grouping would probe the backward's dispatch here: it must not alert
-            fa.functional_call(model, adapter, ids, impl="triton")
-        assert counted["fwd"] == 0
-    finally:
-        torch.use_deterministic_algorithms(False)
+    with deterministic(), torch.no_grad():  # grouping would probe the backward's dispatch: no alert
+        fa.functional_call(model, adapter, ids, impl="triton")
+    assert counted["fwd"] == 0
     leaves, spec = pytree.tree_flatten(adapter)
     ls = [t.detach().clone().requires_grad_() for t in leaves]
     previous, _group.GROUP = _group.GROUP, True
@@ -309,15 +306,10 @@ def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_ref
         _group.GROUP = previous
     assert counted["fwd"] == 2 * len(model.model.layers)  # q/k/v and gate/up of each layer
     loss = y.square().mean()
-    torch.use_deterministic_algorithms(True)
-    try:
-        with pytest.raises(RuntimeError, match="grouped siblings' backward.*deterministic"):
-            torch.autograd.grad(loss, ls, retain_graph=True)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        with pytest.warns(UserWarning, match="grouped siblings' backward"):
-            grads = torch.autograd.grad(loss, ls)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    with deterministic(), pytest.raises(RuntimeError, match="grouped siblings' backward.*deterministic"):
+        torch.autograd.grad(loss, ls, retain_graph=True)
+    with deterministic(warn_only=True), pytest.warns(UserWarning, match="grouped siblings' backward"):
+        grads = torch.autograd.grad(loss, ls)
     _assert_same([(y.detach(), list(grads))], want)
 
 
@@ -338,10 +330,7 @@ def test_a_group_formed_under_auto_runs_its_backward_on_the_reference_in_determi
         y = fa.functional_call(model, pytree.tree_unflatten(ls, spec), ids).logits
     assert counted["fwd"] == 2 * len(model.model.layers)
     loss = y.square().mean()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic():
         grads = torch.autograd.grad(loss, ls)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert counted["bwd"] == 0  # the reference's ops, not the group's kernels
     _assert_same([(y.detach(), list(grads))], want)

@@ -8,6 +8,7 @@ import torch
 
 import fastaf as fa
 from tests._models import MODELS, random_adapter, tiny_llama, token_batch
+from tests._modes import deterministic
 from tests._tolerances import rel_err
 
 IDS = torch.tensor([2, -1, 0, 1, 2])  # 5 examples over a stack of 3; -1 is the base model
@@ -251,8 +252,7 @@ def test_forced_grouped_kernels_alert_in_deterministic_mode(warn_only):
     f = lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl="triton")  # noqa: E731
     want_multi = lora_linear_multi(x, w, bias, stack, ids, impl="torch")
     want_vmap = torch.stack([f(x[i], fa.LoRA(stack.A[i], stack.B[i], stack.scale)) for i in range(3)])
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    try:
+    with deterministic(warn_only):
         if not warn_only:
             with pytest.raises(RuntimeError, match="many adapters.*deterministic"):
                 lora_linear_multi(x, w, bias, stack, ids, impl="triton")
@@ -263,8 +263,6 @@ def test_forced_grouped_kernels_alert_in_deterministic_mode(warn_only):
             assert rel_err(lora_linear_multi(x, w, bias, stack, ids, impl="triton"), want_multi) < 1e-5
         with pytest.warns(UserWarning, match="stack's grouped forward"):
             assert rel_err(torch.func.vmap(f)(x, stack), want_vmap) < 1e-5
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 @needs_triton

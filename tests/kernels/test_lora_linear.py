@@ -16,6 +16,7 @@ from fastaf.kernels import lora_linear as ll
 from fastaf.kernels.lora_linear_configs import DEFAULTS, fit, fit_smaller, gemm_configs, smem_bytes
 from fastaf.kernels.lora_linear_plan import _r_pad
 from fastaf.kernels.dropout_hash import keep_mask
+from tests._modes import deterministic
 from tests._tolerances import assert_close
 
 HAS_CUDA = torch.cuda.is_available()
@@ -212,30 +213,21 @@ def test_bad_inputs(bad):
         assert "dtype" in msg and ("x" in msg or "weight" in msg) and "(" in msg  # names tensor, shape, dtype
 
 
-@pytest.fixture
-def deterministic_mode(request):
-    """torch.use_deterministic_algorithms(True, warn_only=request.param), restored after."""
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=request.param)
-    yield request.param
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 @needs_triton
-@pytest.mark.parametrize("deterministic_mode", [False, True], indirect=True, ids=["strict", "warn_only"])
-def test_forced_triton_backward_alerts_in_deterministic_mode(deterministic_mode):
+@pytest.mark.parametrize("warn_only", [False, True], ids=["strict", "warn_only"])
+def test_forced_triton_backward_alerts_in_deterministic_mode(warn_only):
     """The Triton backward sums with fp32 atomics: forced under torch's deterministic mode it
     raises, or warns and still computes the right gradients with warn_only=True; the forward
     (no atomics) runs either way."""
     x, weight, bias, a, b, dy, _ = make(40, 48, 24, 4, torch.float32, "cuda" if HAS_CUDA else "cpu")
-    y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="triton")
-    warn_only = deterministic_mode
-    if not warn_only:
-        with pytest.raises(RuntimeError, match="deterministic"):
-            ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
-        return
-    with pytest.warns(UserWarning, match="atomics"):
-        dx, da, db = ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
+    with deterministic(warn_only):
+        y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="triton")
+        if not warn_only:
+            with pytest.raises(RuntimeError, match="deterministic"):
+                ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
+            return
+        with pytest.warns(UserWarning, match="atomics"):
+            dx, da, db = ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="triton")
     _, _, ref_dx, ref_da, ref_db = reference(x, weight, bias, a, b, 0.5, 0.0, None, dy)
     for got, want in ((dx, ref_dx), (da, ref_da), (db, ref_db)):
         assert_close(got, want, torch.float32)
@@ -280,8 +272,7 @@ def test_gpu_auto_and_fp32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("deterministic_mode", [True], indirect=True)
-def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(deterministic_mode, monkeypatch):
+def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(monkeypatch):
     """impl="auto" under torch's deterministic mode: the backward takes cuBLAS even where the
     dispatch would take the Triton kernels (forced here by the benchmarks' override), gives the same
     bits every run, and matches fp64. warn_only=True: torch's own cuBLAS alert is not the subject."""
@@ -291,10 +282,11 @@ def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(deterministic_mod
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
     x, weight, bias, a, b, dy, _ = make(8192, 2048, 2048, 16, torch.bfloat16, "cuda")
-    assert _choose("auto", "fwd", x, 8192, 2048, 2048, 16) == "triton"
-    assert _choose("auto", "bwd", x, 8192, 2048, 2048, 16) == "addmm"
-    y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="auto")
-    runs = [ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="auto") for _ in range(3)]
+    with deterministic(warn_only=True):
+        assert _choose("auto", "fwd", x, 8192, 2048, 2048, 16) == "triton"
+        assert _choose("auto", "bwd", x, 8192, 2048, 2048, 16) == "addmm"
+        y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="auto")
+        runs = [ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="auto") for _ in range(3)]
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert torch.equal(got, first)
@@ -318,11 +310,8 @@ def test_gpu_dispatch_override_forces_a_path(monkeypatch):
         check(100, 64, 96, 4, dtype=torch.bfloat16, device="cuda", impl="auto")
     monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic(warn_only=True):
         assert _choose("auto", "bwd", x, 64, 32, 48, 4) == "addmm"
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.gpu
