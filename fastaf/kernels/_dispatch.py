@@ -1,22 +1,24 @@
 """Dispatch: which implementation ``impl="auto"`` runs per op phase and shape, from measurements.
 
 The data is the tuning cache's ``dispatch`` section (``_cache``): per shape, the fused Triton
-path's and the cuBLAS + ``addmm`` path's measured GPU times. Its source, in order: the user's own
+path's and the cuBLAS + ``addmm`` path's measured GPU and host times. Its source, in order: the user's own
 ``fastaf-tune`` run on this GPU and triton version; else the cache fastaf ships for this GPU in
 ``fastaf/kernels/tuned/`` (measured by us: NVIDIA H100 80GB HBM3 and H200); else nothing, and ``DEFAULT``.
 An untuned shape takes the nearest tuned one (``_cache.nearest``).
 
-The decision charges the fused path its host cost, because an op called on its own is
-host-bound where that cost exceeds its GPU win: before fastaf's own launch path
-(``_launch.LaunchSite``) a Triton launch cost ~27 us of host time and at M=2048, K=N=4096 the
-fused forward, 6 us faster on the GPU, ran at 3x the base through autograd where addmm ran at
-1.26x. With it a launch costs ~14 us plus a ~6 us allocation, about a cuBLAS call's 15-23 us on
-the H200 machine's host (bench/diag_linear.py, 2026-11-22). ``HOST_MS_PER_LAUNCH`` keeps 10 us
-per Triton launch for what remains and for timing noise: "triton" is chosen only when
-``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``. The cuBLAS path's own launches
-(5 forward, 9 backward with fp32 factors) are not charged. Inside a whole eager step that rule
-chose cuBLAS for a 1B model's layers at M=4096 where the Triton path, graphed and grouped, made
-the step 1.33x the base instead of 1.74x (H100, README "Known gap").
+Each path costs what the slower of its two sides costs: ``max(gpu_ms, host_ms)``. An eager
+step is a stream of such calls, and where the host issues a call's launches more slowly than the
+GPU runs them, the step waits on the host. ``fastaf-tune`` measures both sides of both paths
+(``tuning``): the GPU time of the launches alone (one CUDA graph's replays) and the host time of
+a call as the eager op makes it (the Triton launches replayed from a launch graph, ``_graphs``;
+cuBLAS's 5 forward and 9 backward launches with fp32 factors, casts included). Before that rule
+the table held do_bench times of the ungraphed call, which at small M is host time: the Triton
+backward of a 1B model's q at M=4096 read 215 us against cuBLAS's 145, where its kernels take
+93 us on the GPU and its graphed call 83 us of host (cuBLAS: 96 and 167). Those layers went to
+cuBLAS, and the 1B model's eager step at 4 x 1024 tokens ran 1.86x the base; with the table
+measured this way, 1.19x (H100, ``bench/results/e2e-dispatch-{old,new}-b4-*``). A cache from
+before (``ms`` without ``host_ms``, as the shipped H200 one) keeps the old rule:
+``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``.
 
 Two things overrule the data: torch's deterministic mode (``atomics_ok``: the paths that sum
 with fp32 atomics give way) and ``OVERRIDE``, which benchmarks set to time one path everywhere.
@@ -33,8 +35,9 @@ DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
 # benchmarks only: "triton" or "addmm" for every shape in place of the measured choice, so one
 # process can time both paths inside a whole step (bench_e2e's -triton / -addmm providers)
 OVERRIDE: str | None = None
+# the old rule, for caches without host times: a Triton launch's host cost, launches per phase
 HOST_MS_PER_LAUNCH = 0.01
-LAUNCHES = {"fwd": 2, "bwd": 3}  # Triton launches per phase: fwd_h + gemm; bwd_dy + bwd_da + gemm
+LAUNCHES = {"fwd": 2, "bwd": 3}  # fwd_h + gemm; bwd_dy + bwd_da + gemm
 
 
 def atomics_ok(impl: str, op: str) -> bool:
@@ -55,10 +58,20 @@ def atomics_ok(impl: str, op: str) -> bool:
     return True
 
 
-def decide(phase: str, ms: dict[str, float]) -> str:
-    """"triton" or "addmm" from measured GPU times ``{"triton": ms, "addmm": ms}``."""
-    margin = HOST_MS_PER_LAUNCH * LAUNCHES.get(phase, 1)
-    return "triton" if ms["triton"] + margin < ms["addmm"] else "addmm"
+def decide(phase: str, ms: dict[str, float], host_ms: dict[str, float] | None = None) -> str:
+    """"triton" or "addmm" from measured times per path, ``{"triton": ms, "addmm": ms}``: the GPU
+    time ``ms`` and the host time ``host_ms`` of one call; each path costs the larger of its two
+    (a tie goes to cuBLAS). Without ``host_ms`` (a cache from before it was measured), ``ms`` is
+    a do_bench time and the Triton path is charged ``LAUNCHES[phase]`` launches on top."""
+    if host_ms is None:
+        margin = HOST_MS_PER_LAUNCH * LAUNCHES.get(phase, 1)
+        return "triton" if ms["triton"] + margin < ms["addmm"] else "addmm"
+    cost = {p: max(ms[p], host_ms[p]) for p in ("triton", "addmm")}
+    return "triton" if cost["triton"] < cost["addmm"] else "addmm"
+
+
+def _timed(ms: object) -> bool:
+    return isinstance(ms, dict) and all(isinstance(ms.get(p), (int, float)) for p in ("triton", "addmm"))
 
 
 def choose(op: str, phase: str, key: _cache.Key, gpu: str) -> str:
@@ -73,7 +86,7 @@ def choose(op: str, phase: str, key: _cache.Key, gpu: str) -> str:
     entry = _cache.lookup("dispatch", f"{op}.{phase}", key, gpu=gpu)
     if entry is None:
         return DEFAULT
-    ms = entry.get("ms")
-    if isinstance(ms, dict) and isinstance(ms.get("triton"), (int, float)) and isinstance(ms.get("addmm"), (int, float)):
-        return decide(phase, ms)
+    ms, host_ms = entry.get("ms"), entry.get("host_ms")
+    if _timed(ms):
+        return decide(phase, ms, host_ms if _timed(host_ms) else None)
     return entry["winner"] if entry.get("winner") in ("triton", "addmm") else DEFAULT

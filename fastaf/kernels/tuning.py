@@ -4,7 +4,8 @@ For each (M tokens, K in, N out, R rank) it times every pruned config of each ke
 ``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) once with
 ``triton.testing.do_bench`` (median), re-times the three fastest in interleaved rounds and keeps
 the best (``_best``), then times the fused path against the cuBLAS+addmm path for the forward
-and the backward and records both times, which ``_dispatch.choose`` reads. Results go to the
+and the backward, each on both sides: the GPU time of its launches alone (``_captured``) and the
+host time of a call as the eager op makes it (``_host_ms``), which ``_dispatch.decide`` weighs. Results go to the
 tuning cache (``_cache``), keyed by GPU name and triton version.
 """
 from __future__ import annotations
@@ -70,6 +71,42 @@ def _bench_interleaved(fns: dict[str, Callable[[], object]], rep_ms: int, rounds
         for name, fn in fns.items():
             times[name].append(_bench(fn, rep_ms))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+IMPLS = ("triton", "addmm")
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU clock, longer than the calls queued behind it
+
+
+def _captured(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``fn``'s launches captured into one CUDA graph (after a warm call on a side stream), so
+    that timing its replays measures the GPU alone: a do_bench time of a call whose host side is
+    slower than its kernels is the host's time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles, plans, the allocator's blocks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _host_ms(fn: Callable[[], object], calls: int = 20, rounds: int = 3) -> float:
+    """Host time of one call of ``fn`` (ms): ``calls`` calls queued behind a GPU sleep, so none
+    waits on the device; the least of ``rounds`` (the host's noise only adds)."""
+    for _ in range(4):  # warm: a launch graph is captured at a call's third sighting (_graphs)
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) * 1e3 / calls)
+        torch.cuda.synchronize()
+    return best
 
 
 def _best(name: str, configs: list[dict], run: Callable[[dict], object], rep_ms: int,
@@ -144,15 +181,23 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
         _cache.save(data)  # the fused path below reads the configs just tuned
         clear_memos()
         key = _key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
+        a32, b32 = a.float(), b.float()  # fp32 master factors, as a training step holds them
         for phase, fn in (
-            ("fwd", lambda impl: ll.lora_linear_fwd(x, w, None, a, b, 2.0, 0.0, None, impl=impl)),
-            ("bwd", lambda impl: ll.lora_linear_bwd(dy, x, w, a, b, h, 2.0, 0.0, None, True, impl=impl)),
+            ("fwd", lambda impl, graphed: ll.lora_linear_fwd_unchecked(x, w, None, a32, b32, 2.0, 0.0, None, impl,
+                                                                       graphed=graphed)),
+            ("bwd", lambda impl, graphed: ll.lora_linear_bwd_unchecked(dy, x, w, a32, b32, h, 2.0, 0.0, None, True,
+                                                                       impl, shared_grads=True, graphed=graphed)),
         ):
-            ms = _bench_interleaved({impl: (lambda impl=impl: fn(impl)) for impl in ("triton", "addmm")}, rep_ms)
-            winner = _dispatch.decide(phase, ms)  # what impl="auto" will run: the host cost charged
+            graphs = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in IMPLS}
+            ms = _bench_interleaved({impl: g.replay for impl, g in graphs.items()}, rep_ms)
+            del graphs
+            # the host side as the eager op path calls it: Triton's launches replay from a launch graph
+            host_ms = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in IMPLS}
+            winner = _dispatch.decide(phase, ms, host_ms)
             _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []),
-                          {"key": key, "winner": winner, "ms": ms})
-            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us  addmm {ms['addmm'] * 1e3:8.1f} us  -> {winner}")
+                          {"key": key, "winner": winner, "ms": ms, "host_ms": host_ms})
+            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host_ms['triton'] * 1e3:6.1f})"
+                f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host_ms['addmm'] * 1e3:6.1f})  -> {winner}")
 
 
 def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, dtype: torch.dtype = torch.bfloat16,

@@ -87,13 +87,36 @@ def test_dispatch_charges_triton_its_host_cost():
     assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "addmm"
 
 
+def test_dispatch_weighs_each_path_by_its_slower_side():
+    """With host times measured, each path costs max(GPU, host): a host-bound cuBLAS call (5-9
+    launches) loses to a Triton call that is slower on the GPU but replays from one graph; where
+    both are GPU-bound the GPU times decide, and a tie goes to cuBLAS."""
+    key = {"M": 4096, "K": 2048, "N": 2048, "R": 16, "dtype": "bfloat16"}
+    data = _data()
+    data["dispatch"]["lora_linear.bwd"] = [{"key": key, "winner": "triton", "ms": {"triton": 0.10, "addmm": 0.09},
+                                            "host_ms": {"triton": 0.03, "addmm": 0.14}}]
+    _cache.save(data)
+    gpu = _cache.device_name()
+    assert _dispatch.choose("lora_linear", "bwd", key, gpu) == "triton"  # 0.10 against the host's 0.14
+    decide = _dispatch.decide
+    assert decide("bwd", {"triton": 0.50, "addmm": 0.45}, {"triton": 0.03, "addmm": 0.14}) == "addmm"
+    assert decide("fwd", {"triton": 0.20, "addmm": 0.20}, {"triton": 0.02, "addmm": 0.05}) == "addmm"
+    assert decide("fwd", {"triton": 0.02, "addmm": 0.03}, {"triton": 0.05, "addmm": 0.05}) == "addmm"  # host-bound both
+    # the old rule for a cache without host times: do_bench times, Triton charged its launches
+    assert decide("fwd", {"triton": 0.44, "addmm": 0.45}) == "addmm"
+    data["dispatch"]["lora_linear.bwd"][0]["host_ms"] = {"triton": "?"}  # malformed: the old rule
+    _cache.save(data)
+    assert _dispatch.choose("lora_linear", "bwd", key, gpu) == "addmm"
+
+
 def test_shipped_cache_is_the_fallback_and_user_cache_wins():
     key = {"M": 16384, "K": 4096, "N": 14336, "R": 16, "dtype": "bfloat16"}
     h200 = "NVIDIA H200"
     assert _cache.shipped_path(h200) is not None
     shipped = _cache.lookup("dispatch", "lora_linear.fwd", key, gpu=h200)
     assert shipped is not None and shipped["key"]["M"] == 16384
-    assert _dispatch.choose("lora_linear", "fwd", key, h200) == _dispatch.decide("fwd", shipped["ms"])
+    assert _dispatch.choose("lora_linear", "fwd", key, h200) == _dispatch.decide("fwd", shipped["ms"],
+                                                                                  shipped.get("host_ms"))
     data = _cache.empty(h200, _cache.triton_version())
     data["dispatch"]["lora_linear.fwd"] = [{"key": key, "winner": "addmm", "ms": {"triton": 9.0, "addmm": 1.0}}]
     _cache.save(data)  # the user's own tuning for this GPU and triton replaces the shipped one

@@ -39,3 +39,30 @@ def test_best_skips_failing_configs_and_raises_when_none_runs(monkeypatch):
     assert tuning._best("fwd_h", [{"bad": True}, {"bad": False}], run, rep_ms=1) == ({"bad": False}, 2.0)
     with pytest.raises(RuntimeError, match="no config of fwd_h ran"):
         tuning._best("fwd_h", [{"bad": True}], run, rep_ms=1)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_timing_measures_both_sides(tmp_path, monkeypatch):
+    """fastaf-tune's dispatch entry holds each path's GPU time (its launches alone, from one CUDA
+    graph) and its host time (calls queued behind a GPU sleep). At a small shape cuBLAS's call
+    (casts, 3 GEMMs, the fp32 grads) costs the host more than its kernels take, and the graphed
+    Triton call costs the host less than cuBLAS's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fastaf.kernels import _cache
+
+    monkeypatch.setenv("FASTAF_CACHE_DIR", str(tmp_path))
+    _cache.forget()
+    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    tuning.tune_shape(tuning.Shape(M=256, K=256, N=256, R=16), torch.bfloat16, ["dispatch"], data, rep_ms=5,
+                      log=lambda line: None)
+    for phase in ("fwd", "bwd"):
+        entry = data["dispatch"][f"lora_linear.{phase}"][0]
+        ms, host = entry["ms"], entry["host_ms"]
+        assert all(0 < ms[p] < 1 and 0 < host[p] < 5 for p in ("triton", "addmm")), entry
+        assert host["addmm"] > ms["addmm"], entry  # tiny GEMMs: the host is the slower side
+        assert host["triton"] < host["addmm"], entry  # one launch-graph replay against 5-9 launches
+        assert entry["winner"] == tuning._dispatch.decide(phase, ms, host)
+    _cache.forget()
