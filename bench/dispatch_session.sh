@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the dispatch's evidence at the 1B model's shapes and the table it ships with.
 #   TUNE=old: fastaf-tune at M=4096 for the 1B shapes into its own cache dir (the old measurement)
-#   TUNE=new: the shipped H100 table's dispatch entries measured again (GPU and host time apart),
+#   TUNE=new: this GPU's shipped table's dispatch entries measured again (GPU and host time apart),
 #             plus the 1B shapes at M=4096 and 8192, into $OUT/tc (copy it into fastaf/kernels/tuned/)
 # then whole eager steps at 4 x 1024 and 8 x 1024 tokens (auto beside every layer on one path,
 # -triton / -addmm), one process per batch, interleaved rounds, with that table.
@@ -18,7 +18,9 @@ case "${TUNE:-new}" in
     FASTAF_CACHE_DIR=$TC python3 -m fastaf.cli.tune --model-config bench/configs/llama-3.2-1b-shape.json \
       --tokens 4096 --ranks 16 --budget-s 150 2>&1 | tee "$OUT/tune-1b-m4096.log" | grep -E '^\[|->|done|Error';;
   new)
-    cp fastaf/kernels/tuned/tune-nvidia-h100-80gb-hbm3-triton3.6.0.json "$TC/"
+    # this GPU's shipped table (its kernel configs stay; its dispatch entries are measured again)
+    shipped=$(python3 -c "from fastaf.kernels import _cache; print(_cache.shipped_path() or '')")
+    [ -n "$shipped" ] && cp "$shipped" "$TC/$(basename "$(python3 -c "from fastaf.kernels import _cache; print(_cache.cache_path())")")"
     FASTAF_CACHE_DIR=$TC python3 -m fastaf.cli.tune --kernels dispatch --budget-s 200 2>&1 \
       | tee "$OUT/tune-dispatch.log" | grep -E '^\[|->|done|rror'
     FASTAF_CACHE_DIR=$TC python3 -m fastaf.cli.tune --model-config bench/configs/llama-3.2-1b-shape.json \

@@ -11,7 +11,11 @@ step is a stream of such calls, and where the host issues a call's launches more
 GPU runs them, the step waits on the host. ``fastaf-tune`` measures both sides of both paths
 (``tuning``): the GPU time of the launches alone (one CUDA graph's replays) and the host time of
 a call as the eager op makes it (the Triton launches replayed from a launch graph, ``_graphs``;
-cuBLAS's 5 forward and 9 backward launches with fp32 factors, casts included). Before that rule
+cuBLAS's 5 forward and 9 backward launches with fp32 factors, casts included). A step overlaps
+one call's host side with the GPU work of the calls before it, so per call the slower side is
+what the step pays where neighbouring calls are like it. There is no margin for noise: the
+per-op times leave out what the Triton path gains only inside a step (siblings grouped, h
+shared), and near-ties went its way there (every layer on cuBLAS: 159.6 ms; on Triton: 144.0). Before that rule
 the table held do_bench times of the ungraphed call, which at small M is host time: the Triton
 backward of a 1B model's q at M=4096 read 215 us against cuBLAS's 145, where its kernels take
 93 us on the GPU and its graphed call 83 us of host (cuBLAS: 96 and 167). Those layers went to

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from fastaf.kernels import _cache, _dispatch
+from fastaf.kernels import _cache, _dispatch, _graphs
 from fastaf.kernels import lora_linear as ll
 from fastaf.kernels._device import _smem_limit, _tma_ready
 from fastaf.kernels.lora_linear_configs import bwd_da_configs, bwd_dy_configs, fwd_h_configs, gemm_configs, smem_bytes
@@ -182,22 +182,34 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
         clear_memos()
         key = _key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
         a32, b32 = a.float(), b.float()  # fp32 master factors, as a training step holds them
+
+        def bwd(impl: str, graphed: bool) -> tuple:
+            dx, da, db = ll.lora_linear_bwd_unchecked(dy, x, w, a32, b32, h, 2.0, 0.0, None, True, impl,
+                                                      shared_grads=True, graphed=graphed)
+            # the op hands the grads back in the factors' dtype: cuBLAS's bf16 dA, dB cost two casts
+            return dx, da.to(a32.dtype), db.to(b32.dtype)
+
         for phase, fn in (
             ("fwd", lambda impl, graphed: ll.lora_linear_fwd_unchecked(x, w, None, a32, b32, 2.0, 0.0, None, impl,
                                                                        graphed=graphed)),
-            ("bwd", lambda impl, graphed: ll.lora_linear_bwd_unchecked(dy, x, w, a32, b32, h, 2.0, 0.0, None, True,
-                                                                       impl, shared_grads=True, graphed=graphed)),
+            ("bwd", bwd),
         ):
             graphs = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in IMPLS}
             ms = _bench_interleaved({impl: g.replay for impl, g in graphs.items()}, rep_ms)
             del graphs
-            # the host side as the eager op path calls it: Triton's launches replay from a launch graph
-            host_ms = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in IMPLS}
-            winner = _dispatch.decide(phase, ms, host_ms)
-            _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []),
-                          {"key": key, "winner": winner, "ms": ms, "host_ms": host_ms})
-            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host_ms['triton'] * 1e3:6.1f})"
-                f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host_ms['addmm'] * 1e3:6.1f})  -> {winner}")
+            entry = {"key": key, "ms": ms}
+            if hasattr(torch.cuda, "_sleep"):  # private: without it the old rule decides (ms alone)
+                # the host side as the eager op path calls it: Triton's launches replay from a launch graph
+                replays = _graphs.GRAPHS.replays
+                entry["host_ms"] = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in IMPLS}
+                entry["graphed"] = _graphs.GRAPHS.replays > replays  # False: graphs off, host time ungraphed
+            entry["winner"] = _dispatch.decide(phase, ms, entry.get("host_ms"))
+            _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []), entry)
+            host = entry.get("host_ms", {})
+            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host.get('triton', 0) * 1e3:6.1f})"
+                f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host.get('addmm', 0) * 1e3:6.1f})"
+                f"  -> {entry['winner']}{'' if entry.get('graphed', True) else '  (launch graphs off)'}")
+        clear_memos()  # the launch graphs and plans of the timed calls' tensors, freed now
 
 
 def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, dtype: torch.dtype = torch.bfloat16,
