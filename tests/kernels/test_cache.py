@@ -132,12 +132,17 @@ def test_model_config_shapes():
 
 
 def test_cli_list_and_clear(tmp_cache, capsys):
-    _cache.save(_data())
+    data = _data()
+    data["dispatch"]["lora_linear.bwd"] = [{"key": {"M": 4096, "K": 2048, "N": 2048, "R": 16, "dtype": "bfloat16"},
+                                            "winner": "triton", "ms": {"triton": 0.0931, "addmm": 0.0962},
+                                            "host_ms": {"triton": 0.0826, "addmm": 0.1672}}]
+    _cache.save(data)
     (tmp_cache / "tune-broken-triton0.json").write_text("{")
     with pytest.warns(UserWarning):
         assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert "lora_linear.gemm" in out and "unreadable" in out and "fwd M=8192" in out
+    assert "bwd M=4096 K=2048 N=2048 R=16 dtype=bfloat16: triton  (triton 93.1 | 82.6 us, addmm 96.2 | 167.2 us" in out
     assert cli.main(["--clear"]) == 0
     assert not list(tmp_cache.glob("tune-*.json"))
 
