@@ -407,6 +407,9 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
     start = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     held: list[int] = []  # MiB allocated after each step: a leak moves every step's addresses
+    keys: list[list] = []  # each step's graphed calls' keys, in call order
+    run = _graphs.GRAPHS.run
+    _graphs.GRAPHS.run = lambda key, device, launch: (keys[-1].append(key), run(key, device, launch))[1]
 
     def train(graphs: bool):
         _graphs.GRAPHS.enabled = graphs
@@ -422,6 +425,7 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
         opt = torch.optim.SGD(leaves, lr=0.5)
         losses = []
         for _ in range(8):
+            keys.append([])
             out = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (ids,), {"labels": ids},
                                      impl="triton")
             out.loss.backward()
@@ -435,10 +439,16 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
         want_losses, want = train(False)
         replays, captures = _graphs.GRAPHS.replays, _graphs.GRAPHS.captures
         got_losses, got = train(True)
+        # which parts of the first call's key moved from step to step (tensors: address deltas)
+        firsts = [step[0] for step in keys[-8:] if step]
+        moved = [[(i, a[0] - b[0] if isinstance(a, tuple) and isinstance(b, tuple) else (a, b))
+                  for i, (a, b) in enumerate(zip(k0, k1)) if a != b] for k0, k1 in zip(firsts, firsts[1:])]
         why = (f"captures {_graphs.GRAPHS.captures - captures}, keys seen {len(_graphs.GRAPHS.seen)}, "
-               f"enabled {_graphs.GRAPHS.enabled}, usable {_graphs.usable(ids.float())}, MiB held per step {held}")
+               f"enabled {_graphs.GRAPHS.enabled}, usable {_graphs.usable(ids.float())}, MiB held per step {held}, "
+               f"graphed calls per step {[len(k) for k in keys[-8:]]}, first call's key moved {moved[:4]}")
     finally:
         _graphs.GRAPHS.enabled = True
+        del _graphs.GRAPHS.run  # the class's method again
     assert _graphs.GRAPHS.replays > replays, f"no layer replayed its graph ({why})"
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=2e-2, atol=0)
     assert want_losses[-1] < want_losses[0]  # the loop trains: the factors move
