@@ -1,26 +1,26 @@
 """Dispatch: which implementation ``impl="auto"`` runs per op phase and shape, from measurements.
 
 The data is the tuning cache's ``dispatch`` section (``_cache``): per shape, the fused Triton
-path's and the cuBLAS + ``addmm`` path's measured GPU and host times. Its source, in order: the user's own
-``fastaf-tune`` run on this GPU and triton version; else the cache fastaf ships for this GPU in
-``fastaf/kernels/tuned/`` (measured by us: NVIDIA H100 80GB HBM3 and H200); else nothing, and ``DEFAULT``.
-An untuned shape takes the nearest tuned one (``_cache.nearest``).
+path's and the cuBLAS + ``addmm`` path's measured GPU and host times. Its source, in order: the
+user's own ``fastaf-tune`` run on this GPU and triton version; else the cache fastaf ships for
+this GPU in ``fastaf/kernels/tuned/`` (measured by us: NVIDIA H100 80GB HBM3 and H200); else
+nothing, and ``DEFAULT``. An untuned shape takes the nearest tuned one (``_cache.nearest``).
 
-Each path costs what the slower of its two sides costs: ``max(gpu_ms, host_ms)``. An eager
-step is a stream of such calls, and where the host issues a call's launches more slowly than the
-GPU runs them, the step waits on the host. ``fastaf-tune`` measures both sides of both paths
-(``tuning``): the GPU time of the launches alone (one CUDA graph's replays) and the host time of
-a call as the eager op makes it (the Triton launches replayed from a launch graph, ``_graphs``;
-cuBLAS's 5 forward and 9 backward launches with fp32 factors, casts included). A step overlaps
-one call's host side with the GPU work of the calls before it, so per call the slower side is
+Each path costs the slower of its two sides, ``max(gpu_ms, host_ms)``. ``fastaf-tune`` measures
+both (``tuning``): the GPU time of the launches alone (one CUDA graph's replays) and the host
+time of one call as the eager op makes it (the Triton launches replayed from a launch graph,
+``_graphs``; cuBLAS's 5 forward and 9 backward launches with fp32 factors, casts included). A
+step overlaps a call's host side with the GPU work of the calls before it, so the slower side is
 what the step pays where neighbouring calls are like it. There is no margin for noise: the
 per-op times leave out what the Triton path gains only inside a step (siblings grouped, h
-shared), and near-ties went its way there (every layer on cuBLAS: 159.6 ms; on Triton: 144.0). Before that rule
-the table held do_bench times of the ungraphed call, which at small M is host time: the Triton
-backward of a 1B model's q at M=4096 read 215 us against cuBLAS's 145, where its kernels take
-93 us on the GPU and its graphed call 83 us of host (cuBLAS: 96 and 167). Those layers went to
-cuBLAS, and the 1B model's eager step at 4 x 1024 tokens ran 1.86x the base; with the table
-measured this way, 1.19x (H100, ``bench/results/e2e-dispatch-{old,new}-b4-*``). A cache from
+shared), and near-ties went its way there (1B step, 8 x 1024 tokens, every layer on cuBLAS
+159.6 ms, on Triton 144.0).
+
+Before this rule the table held do_bench times of the ungraphed call, which at small M are the
+host's: the Triton backward of a 1B model's q at M=4096 read 215 us against cuBLAS's 145, where
+its kernels take 93 us on the GPU and its graphed call 83 us of host (cuBLAS: 96 and 167). Those
+layers went to cuBLAS, and the eager step at 4 x 1024 tokens ran 1.86x the base; with the table
+measured both ways, 1.19x (H100, ``bench/results/e2e-dispatch-{old,new}-b4-*``). A cache from
 before (``ms`` without ``host_ms``, as the shipped H200 one) keeps the old rule:
 ``triton_ms + HOST_MS_PER_LAUNCH * LAUNCHES[phase] < addmm_ms``.
 
