@@ -399,6 +399,7 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
     layers' launches from CUDA graphs: its losses and factors follow the loop that launches."""
     import torch.utils._pytree as pytree
 
+    from fastaf.functional import _group
     from fastaf.kernels import _graphs
     from tests._models import random_adapter, tiny_llama, token_batch
 
@@ -445,7 +446,9 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
                   for i, (a, b) in enumerate(zip(k0, k1)) if a != b] for k0, k1 in zip(firsts, firsts[1:])]
         why = (f"captures {_graphs.GRAPHS.captures - captures}, keys seen {len(_graphs.GRAPHS.seen)}, "
                f"enabled {_graphs.GRAPHS.enabled}, usable {_graphs.usable(ids.float())}, MiB held per step {held}, "
-               f"graphed calls per step {[len(k) for k in keys[-8:]]}, first call's key moved {moved[:4]}")
+               f"graphed calls per step {[len(k) for k in keys[-8:]]}, first call's key moved {moved[:4]}, "
+               f"groups learned {len(_group.learned())}, functorch levels {torch._C._functorch.get_interpreter_stack()}, "
+               f"autocast {torch.is_autocast_enabled()}, deterministic {torch.are_deterministic_algorithms_enabled()}")
     finally:
         _graphs.GRAPHS.enabled = True
         del _graphs.GRAPHS.run  # the class's method again
