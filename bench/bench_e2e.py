@@ -186,6 +186,19 @@ def _flagged(step, module, flag: str, value):
     return run
 
 
+def _counted(step, graphs: list):
+    """``step`` adding the launch graphs it captures and replays to ``graphs`` ([captures, replays])."""
+    def run():
+        before = (_graphs.GRAPHS.captures, _graphs.GRAPHS.replays)
+        try:
+            return step()
+        finally:
+            graphs[0] += _graphs.GRAPHS.captures - before[0]
+            graphs[1] += _graphs.GRAPHS.replays - before[1]
+
+    return run
+
+
 def _wall_ms(step, n: int = 5) -> dict:
     """CPU smoke-test timing (do_bench needs a GPU): median of n wall-clock steps."""
     import time
@@ -326,7 +339,9 @@ def main() -> None:
         if t:
             print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}"
                   f"  graphs: {graphs[0]} captured, {graphs[1]} replays", flush=True)
-        if args.interleave or name in args.profile.split(","):
+        if args.interleave:  # its graphs are counted over the timed steps too (below)
+            steps[name] = _counted(step, graphs)
+        elif name in args.profile.split(","):
             steps[name] = step
         else:
             del step
