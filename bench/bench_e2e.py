@@ -313,7 +313,7 @@ def main() -> None:
               "fastaf-init": fastaf_init_step, "base-liger": base_step,
               "peft-bf16-liger": lambda m, i: peft_step(m, i, bf16=True), "fastaf-autograd-liger": fastaf_autograd_step,
               "fastaf-init-liger": fastaf_init_step, "fastaf-func-liger": fastaf_func_step}
-    rows, base_loss, steps = [], None, {}
+    rows, base_loss, steps, profiled = [], None, {}, {}
     for name in providers.split(","):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # each provider's own peak
@@ -339,10 +339,10 @@ def main() -> None:
         if t:
             print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}"
                   f"  graphs: {graphs[0]} captured, {graphs[1]} replays", flush=True)
-        if args.interleave:  # its graphs are counted over the timed steps too (below)
+        if args.interleave:  # its graphs are counted over the timed steps too (not over --profile's)
             steps[name] = _counted(step, graphs)
-        elif name in args.profile.split(","):
-            steps[name] = step
+        if args.interleave or name in args.profile.split(","):
+            profiled[name] = step
         else:
             del step
             torch.cuda.empty_cache() if device == "cuda" else None
@@ -350,9 +350,10 @@ def main() -> None:
         timed = H.time_interleaved(steps, rounds=args.interleave, warmup=300, rep=2000 * args.interleave)
         for r in rows:
             r.update(timed[r["provider"]])
-            print(f"{r['provider']:12s} {r['ms']:8.2f} ms  rounds {r['rounds']}", flush=True)
+            print(f"{r['provider']:12s} {r['ms']:8.2f} ms  rounds {r['rounds']}  graphs: {r['graphs'][0]} captured, "
+                  f"{r['graphs'][1]} replays", flush=True)
     if args.profile:
-        _profile({k: v for k, v in steps.items() if k in args.profile.split(",")})
+        _profile({k: v for k, v in profiled.items() if k in args.profile.split(",")})
     base = next((r["ms"] for r in rows if r["provider"] in ("base", "base-liger")), None)
     for r in rows:
         r["ratio_to_base"] = r["ms"] / base if base else None

@@ -114,9 +114,9 @@ def _times(entry: dict) -> str:
     if not _dispatch._timed(ms):
         return ""
     if _dispatch._timed(host):
-        cells = ", ".join(f"{p} {ms[p] * 1e3:.1f} | {host[p] * 1e3:.1f} us" for p in ("triton", "addmm"))
+        cells = ", ".join(f"{p} {ms[p] * 1e3:.1f} | {host[p] * 1e3:.1f} us" for p in _dispatch.IMPLS)
         return f"  ({cells}: GPU | host)"
-    return "  (" + ", ".join(f"{p} {ms[p] * 1e3:.1f} us" for p in ("triton", "addmm")) + ")"
+    return "  (" + ", ".join(f"{p} {ms[p] * 1e3:.1f} us" for p in _dispatch.IMPLS) + ")"
 
 
 def _clear() -> int:

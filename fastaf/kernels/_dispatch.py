@@ -36,6 +36,7 @@ import torch
 from fastaf.kernels import _cache
 
 DEFAULT = "addmm"  # cuBLAS + fused epilogue: never slower than itself
+IMPLS = ("triton", "addmm")  # the paths a dispatch entry times
 # benchmarks only: "triton" or "addmm" for every shape in place of the measured choice, so one
 # process can time both paths inside a whole step (bench_e2e's -triton / -addmm providers)
 OVERRIDE: str | None = None
@@ -70,12 +71,12 @@ def decide(phase: str, ms: dict[str, float], host_ms: dict[str, float] | None = 
     if host_ms is None:
         margin = HOST_MS_PER_LAUNCH * LAUNCHES.get(phase, 1)
         return "triton" if ms["triton"] + margin < ms["addmm"] else "addmm"
-    cost = {p: max(ms[p], host_ms[p]) for p in ("triton", "addmm")}
+    cost = {p: max(ms[p], host_ms[p]) for p in IMPLS}
     return "triton" if cost["triton"] < cost["addmm"] else "addmm"
 
 
 def _timed(ms: object) -> bool:
-    return isinstance(ms, dict) and all(isinstance(ms.get(p), (int, float)) for p in ("triton", "addmm"))
+    return isinstance(ms, dict) and all(isinstance(ms.get(p), (int, float)) for p in IMPLS)
 
 
 def choose(op: str, phase: str, key: _cache.Key, gpu: str) -> str:
@@ -93,4 +94,4 @@ def choose(op: str, phase: str, key: _cache.Key, gpu: str) -> str:
     ms, host_ms = entry.get("ms"), entry.get("host_ms")
     if _timed(ms):
         return decide(phase, ms, host_ms if _timed(host_ms) else None)
-    return entry["winner"] if entry.get("winner") in ("triton", "addmm") else DEFAULT
+    return entry["winner"] if entry.get("winner") in IMPLS else DEFAULT

@@ -73,7 +73,6 @@ def _bench_interleaved(fns: dict[str, Callable[[], object]], rep_ms: int, rounds
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-IMPLS = ("triton", "addmm")
 SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU clock, longer than the calls queued behind it
 
 
@@ -194,20 +193,20 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
                                                                        graphed=graphed)),
             ("bwd", bwd),
         ):
-            graphs = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in IMPLS}
+            graphs = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in _dispatch.IMPLS}
             ms = _bench_interleaved({impl: g.replay for impl, g in graphs.items()}, rep_ms)
             del graphs
             entry = {"key": key, "ms": ms}
             if hasattr(torch.cuda, "_sleep"):  # private: without it the old rule decides (ms alone)
                 # the host side as the eager op path calls it: Triton's launches replay from a launch graph
                 replays = _graphs.GRAPHS.replays
-                entry["host_ms"] = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in IMPLS}
+                entry["host_ms"] = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in _dispatch.IMPLS}
                 entry["graphed"] = _graphs.GRAPHS.replays > replays  # False: graphs off, host time ungraphed
             entry["winner"] = _dispatch.decide(phase, ms, entry.get("host_ms"))
             _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []), entry)
-            host = entry.get("host_ms", {})
-            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host.get('triton', 0) * 1e3:6.1f})"
-                f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host.get('addmm', 0) * 1e3:6.1f})"
+            host = {p: f"{t * 1e3:6.1f}" for p, t in entry.get("host_ms", {}).items()}
+            log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host.get('triton', '     -')})"
+                f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host.get('addmm', '     -')})"
                 f"  -> {entry['winner']}{'' if entry.get('graphed', True) else '  (launch graphs off)'}")
         clear_memos()  # the launch graphs and plans of the timed calls' tensors, freed now
 

@@ -392,28 +392,47 @@ def test_kernel_ops_take_factors_in_another_dtype(factor_dtype):
         assert [g.dtype for g in grads] == [factor_dtype, factor_dtype]
 
 
+def _no_replay(keys: list[list], held: list[int], captures: int) -> str:
+    """What a training loop whose launches never replayed saw: per step its graphed calls, the MiB
+    it held, and which parts of the first call's key moved (tensors: address deltas)."""
+    from fastaf.functional import _group
+    from fastaf.kernels import _graphs
+
+    firsts = [(i, step[0]) for i, step in enumerate(keys) if step]
+    moved = [(i1, [(j, a[0] - b[0] if isinstance(a, tuple) and isinstance(b, tuple) else (a, b))
+                   for j, (a, b) in enumerate(zip(k0, k1)) if a != b])
+             for (_, k0), (i1, k1) in zip(firsts, firsts[1:])]
+    return (f"captures {_graphs.GRAPHS.captures - captures}, keys seen {len(_graphs.GRAPHS.seen)}, "
+            f"graphed calls per step {[len(k) for k in keys]}, MiB held per step {held}, "
+            f"the first call's key moved at steps {moved[:4]}, groups learned {len(_group.learned())}, "
+            f"functorch levels {torch._C._functorch.get_interpreter_stack()}, autocast {torch.is_autocast_enabled()}, "
+            f"deterministic {torch.are_deterministic_algorithms_enabled()}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
+def test_gpu_training_steps_replaying_launch_graphs_equal_launching(monkeypatch):
     """A training loop over a model (eager functional_call + autograd + SGD) replays the adapted
     layers' launches from CUDA graphs: its losses and factors follow the loop that launches."""
     import torch.utils._pytree as pytree
 
-    from fastaf.functional import _group
     from fastaf.kernels import _graphs
     from tests._models import random_adapter, tiny_llama, token_batch
 
     model = tiny_llama(dtype=torch.bfloat16).cuda()
     ids = token_batch().cuda()
     start = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
+    keys: list[list] = []  # each step's graphed calls' keys, in call order (for the failure message)
     held: list[int] = []  # MiB allocated after each step: a leak moves every step's addresses
-    keys: list[list] = []  # each step's graphed calls' keys, in call order
     run = _graphs.GRAPHS.run
-    _graphs.GRAPHS.run = lambda key, device, launch: (keys[-1].append(key), run(key, device, launch))[1]
+    monkeypatch.setattr(_graphs.GRAPHS, "run", lambda key, device, launch: (keys[-1].append(key),
+                                                                            run(key, device, launch))[1])
+    monkeypatch.setattr(_graphs.GRAPHS, "enabled", _graphs.GRAPHS.enabled)  # restored after the test
 
     def train(graphs: bool):
         _graphs.GRAPHS.enabled = graphs
+        keys.clear()
+        held.clear()
         # the allocator hands a layer the same blocks step after step once its free blocks settle:
         # from an empty cache in a few steps (earlier tests' leftovers kept them moving for 6, H100).
         # Known order dependence (H100, 2026-11-25): run right after both GPU tests of
@@ -436,23 +455,10 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching():
             held.append(torch.cuda.memory_allocated() >> 20)
         return losses, leaves
 
-    try:
-        want_losses, want = train(False)
-        replays, captures = _graphs.GRAPHS.replays, _graphs.GRAPHS.captures
-        got_losses, got = train(True)
-        # which parts of the first call's key moved from step to step (tensors: address deltas)
-        firsts = [step[0] for step in keys[-8:] if step]
-        moved = [[(i, a[0] - b[0] if isinstance(a, tuple) and isinstance(b, tuple) else (a, b))
-                  for i, (a, b) in enumerate(zip(k0, k1)) if a != b] for k0, k1 in zip(firsts, firsts[1:])]
-        why = (f"captures {_graphs.GRAPHS.captures - captures}, keys seen {len(_graphs.GRAPHS.seen)}, "
-               f"enabled {_graphs.GRAPHS.enabled}, usable {_graphs.usable(ids.float())}, MiB held per step {held}, "
-               f"graphed calls per step {[len(k) for k in keys[-8:]]}, first call's key moved {moved[:4]}, "
-               f"groups learned {len(_group.learned())}, functorch levels {torch._C._functorch.get_interpreter_stack()}, "
-               f"autocast {torch.is_autocast_enabled()}, deterministic {torch.are_deterministic_algorithms_enabled()}")
-    finally:
-        _graphs.GRAPHS.enabled = True
-        del _graphs.GRAPHS.run  # the class's method again
-    assert _graphs.GRAPHS.replays > replays, f"no layer replayed its graph ({why})"
+    want_losses, want = train(False)
+    replays, captures = _graphs.GRAPHS.replays, _graphs.GRAPHS.captures
+    got_losses, got = train(True)
+    assert _graphs.GRAPHS.replays > replays, f"no layer replayed its graph ({_no_replay(keys, held, captures)})"
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=2e-2, atol=0)
     assert want_losses[-1] < want_losses[0]  # the loop trains: the factors move
     for g, w in zip(got, want):
