@@ -88,7 +88,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
                 )
         need_x = ctx.needs_input_grad[4]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
-        kernels_ok = atomics_ok(ctx.impl, f"the grouped siblings' backward of {', '.join(ctx.paths)}")
+        kernels_ok = atomics_ok(ctx.impl, lambda: f"the grouped siblings' backward of {', '.join(ctx.paths)}")
         if not kernels_ok or any(d is not None and _differentiated(d) for d in dys2):
             dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
         else:

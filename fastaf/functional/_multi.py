@@ -123,8 +123,9 @@ def _use_kernels(impl: str, x: Tensor, a: Tensor) -> bool:
         if not _kernels().supported(x, a):
             raise RuntimeError(f"impl='triton': the grouped kernels cannot run on x {tuple(x.shape)} {x.dtype} "
                                f"on {x.device} with a stack of rank {a.shape[1]}")
-        return atomics_ok(impl, "lora_linear_multi (many adapters)")
-    return x.is_cuda and _kernels().supported(x, a) and atomics_ok(impl, "lora_linear_multi (many adapters)")
+    elif not (x.is_cuda and _kernels().supported(x, a)):
+        return False
+    return atomics_ok(impl, "lora_linear_multi (many adapters)")
 
 
 def _fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,

@@ -30,6 +30,7 @@ with fp32 atomics give way) and ``OVERRIDE``, which benchmarks set to time one p
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -45,15 +46,17 @@ HOST_MS_PER_LAUNCH = 0.01
 LAUNCHES = {"fwd": 2, "bwd": 3}  # fwd_h + gemm; bwd_dy + bwd_da + gemm
 
 
-def atomics_ok(impl: str, op: str) -> bool:
+def atomics_ok(impl: str, op: str | Callable[[], str]) -> bool:
     """Whether a Triton path that sums with fp32 atomics (``op``, named in the message) may run:
     always, but under ``torch.use_deterministic_algorithms(True)``, where impl="auto" takes its
     deterministic path (False: cuBLAS or torch ops) and a forced impl="triton" alerts as torch's own
-    nondeterministic ops do (raises; warns and runs under ``warn_only=True``)."""
+    nondeterministic ops do (raises; warns and runs under ``warn_only=True``). ``op`` may be a
+    function making the name: the callers sit on per-layer hot paths, and only an alert reads it."""
     if not torch.are_deterministic_algorithms_enabled():
         return True
     if impl != "triton":
         return False
+    op = op() if callable(op) else op
     msg = (f"{op} with impl='triton' sums with fp32 atomics, which is not deterministic, and "
            "torch.use_deterministic_algorithms(True) is set; impl='auto' takes a deterministic path "
            "(cuBLAS or torch ops) in this mode")

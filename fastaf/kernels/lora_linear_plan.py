@@ -147,7 +147,7 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
         if R > MAX_RANK:
             raise ValueError(f"lora_linear: the Triton path supports rank <= {MAX_RANK}, got {R}")
         if phase == "bwd":  # alerts in deterministic mode
-            _dispatch.atomics_ok(impl, f"lora_linear's backward at M={M}, K={K}, N={N}, R={R}")
+            _dispatch.atomics_ok(impl, lambda: f"lora_linear's backward at M={M}, K={K}, N={N}, R={R}")
         return "triton"
     if impl not in ("auto", "addmm"):
         raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
