@@ -1,6 +1,6 @@
 """The LoRA gemm's variants against cuBLAS at one or more shapes (diagnostic, not a benchmark).
 
-    python bench/diag_gemm.py [M K N r ...]
+    python bench/diag_gemm.py [M K N r ...]      (DIAG_NAME=diag-gemm-1b: the result file's name)
 
 For the forward layout (y = x @ W.T + s * h @ B.T) and the dX layout (dX = dy @ W + dh @ A) it
 times, from CUDA-graph replays in interleaved rounds: cuBLAS ``mm`` of the base alone; the
@@ -11,6 +11,7 @@ timed two kernel flags since dropped: the LoRA loads ahead of the K loop, a spli
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -88,7 +89,7 @@ def main() -> None:
                 rows.append({"bench": "diag_gemm", "M": M, "K": w_kn.shape[0], "N": w_kn.shape[1], "r": R,
                              "layout": layout, "variant": name, "us": us, "rounds_us": t, "ratio_cublas": us / base,
                              "config": confs.get(name)})
-    print("wrote", H.write_results("diag-gemm", rows, {"rounds": ROUNDS}))
+    print("wrote", H.write_results(os.environ.get("DIAG_NAME", "diag-gemm"), rows, {"rounds": ROUNDS}))
 
 
 if __name__ == "__main__":

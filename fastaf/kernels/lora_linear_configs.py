@@ -109,6 +109,14 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       (old picks against picks made with the flags in the search), neither moved our gemm's
       ratio to cuBLAS beyond the +-2% noise; the 4-stage split store averaged ~1% slower.
       (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json holds the first comparison.)
+    - At the Llama-3.2-1B shapes (M=8192; K, N in 2048, 512, 8192), where the K loop is short and
+      the tuned gemm runs 1.02-1.26x cuBLAS, two schedule flags: Triton's warp specialization of
+      the K loop (``tl.range(..., warp_specialize=True)``), and one program per tile instead of
+      the persistent loop (the GPU overlapping one program's epilogue with another's loads). Warp
+      specialization moved 128x256x64 by -1%..+1% and did not compile at 128x128x64 (triton 3.6's
+      NVGPUWarpSpecialization pass failed); one program per tile ran 1.05-1.20x the persistent
+      128x256x64, and 128x128x64 at 2-3 stages (two programs an SM) 1.3-2.1x cuBLAS
+      (bench/results/diag-gemm-1b-nvidia-h100-80gb-hbm3.json).
     """
 
     def keep(conf: dict) -> bool:
