@@ -20,7 +20,9 @@ blocks it holds for the model's tensors do not split around them. Measured (H100
 run after PEFT's steps in one process, two alternating rounds): 100.8 / 100.0 ms with it, 105.5 /
 102.6 ms without, 224 graphs captured either way (``e2e-liger-pool-*``). A key seen once or
 twice (addresses that never repeat) costs a dict entry; a capture that fails turns graphs off
-for the process, warned once, and the call launches normally.
+for the process, warned once, and the call launches normally. At ``_CAPACITY`` graphs, those kept
+are dropped and capturing starts over if they were replayed and no longer are, else new keys
+launch.
 
 ``usable`` says where replays are safe: a CUDA tensor on the current device, the current stream
 the legacy default one (no user stream, no stream capture of the user's under way: theirs would
@@ -38,9 +40,14 @@ import torch
 
 from fastaf.kernels import _launch
 
-# graphs kept per process; beyond it calls launch as before (a loop whose addresses drift): this
-# bounds what captures that are never replayed can cost (~0.1-1 ms each, once)
+# graphs kept per process. At it, graphs that were replayed (on average _EARNED times each) but
+# no longer are (none replayed between two refused captures) are all dropped and capturing starts
+# over: a process's next training loop (a notebook's next model, a test suite's next test) gets
+# graphs too. Graphs still replaying (a loop with more calls than this) are kept; graphs that
+# never earned their keep (a loop whose addresses drift) stop the captures: that bounds what
+# captures never replayed cost (~0.1-1 ms each, once).
 _CAPACITY = 4096
+_EARNED = 3  # replays per graph kept, its capture's own included
 _SIGHTINGS = 2  # launches of a key before its capture: a key that recurs only once is not captured
 
 
@@ -54,6 +61,8 @@ class LaunchGraphs:
         self.streams: dict[int, torch.cuda.Stream] = {}  # device -> the side stream captures run on
         self.enabled = os.environ.get("FASTAF_LAUNCH_GRAPHS", "1") != "0"
         self.replays = self.captures = 0  # tests and diagnostics read them
+        self._replays_at_clear = 0
+        self._replays_at_refusal = -1  # replays at the last capture refused at capacity
         self._lock = threading.Lock()  # one capture at a time (the backward runs on autograd's thread)
 
     def run(self, key: Hashable, device: int, launch: Callable[[], Any]) -> None:
@@ -65,7 +74,7 @@ class LaunchGraphs:
             self.replays += 1
             return
         launched = self.seen.get(key, 0)
-        if launched < _SIGHTINGS or len(self.graphs) >= _CAPACITY:
+        if launched < _SIGHTINGS or (len(self.graphs) >= _CAPACITY and not self._renewed()):
             if launched == 0 and len(self.seen) >= _CAPACITY:  # addresses that drift: forget, not grow
                 self.seen.clear()
             self.seen[key] = launched + 1
@@ -81,6 +90,17 @@ class LaunchGraphs:
         self.captures += 1
         graph.replay()  # a capture records the launches without running them
         self.replays += 1
+
+    def _renewed(self) -> bool:
+        """At capacity: whether the graphs kept served a loop that has ended, so that all are
+        dropped (``clear``) and capturing starts over; else this capture is refused (``_CAPACITY``)."""
+        if self.replays != self._replays_at_refusal:  # replayed since the last refusal: still in use
+            self._replays_at_refusal = self.replays
+            return False
+        if self.replays - self._replays_at_clear < _EARNED * len(self.graphs):  # never paid off
+            return False
+        self.clear()
+        return True
 
     def _launch(self, device: int, launch: Callable[[], Any]) -> None:
         """``launch()`` with its temporaries from ``device``'s pool (module docstring)."""
@@ -131,6 +151,7 @@ class LaunchGraphs:
         self.graphs.clear()
         self.seen.clear()
         self.pools.clear()
+        self._replays_at_clear, self._replays_at_refusal = self.replays, -1
 
 
 GRAPHS = LaunchGraphs()

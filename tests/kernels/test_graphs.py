@@ -168,6 +168,8 @@ def test_capture_at_third_sighting_then_replay(monkeypatch, pooled):
 
 
 def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
+    """Graphs replayed once after their capture (below ``_EARNED``) fill the capacity for good:
+    later keys launch, as a loop whose addresses drift would."""
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
     monkeypatch.setattr(_graphs, "_CAPACITY", 2)
@@ -175,6 +177,38 @@ def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
         for _ in range(4):
             graphs.run(("k", i), 0, lambda: None)
     assert len(graphs.graphs) == 2 and graphs.captures == 2
+
+
+def _filled(monkeypatch) -> _graphs.LaunchGraphs:
+    """Graphs at a capacity of 2, filled by a loop whose two keys were captured, then replayed twice."""
+    graphs = _graphs.LaunchGraphs()
+    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
+    monkeypatch.setattr(_graphs, "_CAPACITY", 2)
+    for i in range(2):
+        for _ in range(5):
+            graphs.run(("first", i), 0, lambda: None)
+    assert graphs.captures == 2 and graphs.replays == 6
+    return graphs
+
+
+def test_at_capacity_graphs_of_an_ended_loop_make_way(monkeypatch, pooled):
+    """A process's next loop gets graphs once the first one's, which paid off, stop replaying: at
+    the second capture refused with no replay between, they are dropped and the key captured."""
+    graphs = _filled(monkeypatch)
+    runs = []
+    for _ in range(5):  # the next loop's key: launched 3 times (the third refused), then captured
+        graphs.run(("next",), 0, lambda: runs.append(1))
+    assert list(graphs.graphs) == [("next",)] and graphs.captures == 3 and graphs.replays == 8
+    assert len(runs) == 5 and not graphs.seen
+
+
+def test_at_capacity_graphs_still_replaying_are_kept(monkeypatch, pooled):
+    """A loop with more calls than the capacity keeps the graphs it replays; its other calls launch."""
+    graphs = _filled(monkeypatch)
+    for _ in range(4):
+        graphs.run(("more",), 0, lambda: None)
+        graphs.run(("first", 0), 0, lambda: None)  # the kept graphs replay between refusals
+    assert set(graphs.graphs) == {("first", 0), ("first", 1)} and graphs.captures == 2
 
 
 def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch, pooled):
