@@ -22,6 +22,7 @@ import torch
 
 from fastaf.kernels import _graphs
 from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm
+from fastaf.kernels.lora_linear_configs import MAX_RANK
 from fastaf.kernels.lora_linear_plan import _choose, _tf32
 
 
@@ -29,12 +30,17 @@ def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int],
     """Whether every sibling's forward and backward take the Triton kernels at x's (M, K), as each
     alone would (``impl`` "auto": the measured dispatch), so the group never runs a path the
     dispatch rejected. x (M, K). Never under torch's deterministic mode: the group's backward
-    sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says."""
+    sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says.
+    Each sibling is asked at its own rank, not the group's sum (q/k/v at r=16 once resolved to the
+    dispatch's r=64 entries, where k/v's forward takes cuBLAS: no group at the 1B shapes); the
+    sum must fit the kernels' padded rank, which the group's h and dx launches read."""
     if torch.are_deterministic_algorithms_enabled():  # no alert here: each sibling alone decides
         return False
-    (M, K), R = x.shape, sum(ranks)
-    return all(_choose(impl, phase, x, M, K, w.shape[0], R) == "triton"
-               for w in weights for phase in ("fwd", "bwd"))
+    if sum(ranks) > MAX_RANK:
+        return False
+    M, K = x.shape
+    return all(_choose(impl, phase, x, M, K, w.shape[0], r) == "triton"
+               for w, r in zip(weights, ranks) for phase in ("fwd", "bwd"))
 
 
 def group_fwd(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],

@@ -82,3 +82,23 @@ def test_fits_follows_the_dispatch(device):
     weights = [s[0] for s in sib]
     assert lg.fits(x, weights, [4, 4, 8], "triton")
     assert not lg.fits(x, weights, [4, 4, 8], "addmm")  # the dispatch's other path: no group
+
+
+def test_fits_asks_the_dispatch_at_each_siblings_own_rank(monkeypatch):
+    """q/k/v at r=16 are asked at r=16, not at their sum 48 (whose nearest dispatch entries are
+    r=64's); a group whose summed rank the kernels cannot pad is refused without asking."""
+    x, sib = _siblings("cpu", torch.float32, False)
+    weights = [s[0] for s in sib]
+    asked = []
+
+    def choose(impl, phase, x_, M, K, N, R):
+        asked.append((phase, M, K, N, R))
+        return "triton" if R <= 16 else "addmm"  # a dispatch table whose r=64 entries take cuBLAS
+
+    monkeypatch.setattr(lg, "_choose", choose)
+    assert lg.fits(x, weights, [16, 16, 16], "auto")
+    M, K = x.shape
+    assert sorted(asked) == sorted((p, M, K, w.shape[0], 16) for w in weights for p in ("fwd", "bwd"))
+    assert not lg.fits(x, weights, [16, 16, 64], "auto")  # one sibling alone takes cuBLAS
+    asked.clear()
+    assert not lg.fits(x, weights, [128, 64, 128], "auto") and not asked  # sum 320 > MAX_RANK
