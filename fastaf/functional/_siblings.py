@@ -63,18 +63,18 @@ def _da_dtype(x: Tensor) -> torch.dtype:
 # ---- 2. torch.library ops ----------------------------------------------------------------------
 
 
-def _shared_h_impl(x: Tensor, a: Tensor, n: int, impl: str) -> Tensor:
+def _shared_h_impl(x: Tensor, a: Tensor, n: int, r: int, impl: str) -> Tensor:
     """h (M, R) = x @ a.T in x's dtype; x (M, K), a (R, K) the siblings' A stacked on rank, in any
-    float dtype. ``n``: the first sibling's N, for the dispatch choice."""
+    float dtype. ``n``, ``r``: the first sibling's N and rank, for the dispatch choice."""
     if _use_triton(impl, x):
-        return _kernels().shared_h(x, a, n, impl)
+        return _kernels().shared_h(x, a, n, r, impl)
     return x @ _as_dtype(a, x.dtype).T
 
 
-def _shared_da_impl(dh: Tensor, x: Tensor, n: int, impl: str) -> Tensor:
+def _shared_da_impl(dh: Tensor, x: Tensor, n: int, r: int, impl: str) -> Tensor:
     """dA (R, K) = dh.T @ x in fp32 (fp64 for fp64 x); dh (M, R) contiguous."""
     if _use_triton(impl, x):
-        return _as_dtype(_kernels().shared_da(dh, x, n, impl), torch.float32)
+        return _as_dtype(_kernels().shared_da(dh, x, n, r, impl), torch.float32)
     return (dh.T @ x).to(_da_dtype(x))
 
 
@@ -101,12 +101,12 @@ lora_given_h_bwd = torch.library.custom_op("fastaf::lora_given_h_bwd", mutates_a
 
 
 @lora_shared_h.register_fake
-def _(x, a, n, impl):
+def _(x, a, n, r, impl):
     return x.new_empty(x.shape[0], a.shape[0])
 
 
 @lora_shared_da.register_fake
-def _(dh, x, n, impl):
+def _(dh, x, n, r, impl):
     return x.new_empty(dh.shape[1], x.shape[1], dtype=_da_dtype(x))
 
 
@@ -139,7 +139,7 @@ class _SharedHFn(torch.autograd.Function):
     @staticmethod
     def forward(x, a, ranks, n, impl):  # x (M, K); a (R, K) the A factors stacked, any float dtype
         op = _shared_h_impl if _direct_ok(x, a) else torch.ops.fastaf.lora_shared_h
-        return tuple(op(x, a, n, impl).split(ranks, dim=1))
+        return tuple(op(x, a, n, ranks[0], impl).split(ranks, dim=1))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -157,7 +157,7 @@ class _SharedHFn(torch.autograd.Function):
         else:
             op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
             with torch.no_grad():  # first order: a plain op call (see _LoRALinearFn.backward)
-                da = op(dh, x, ctx.n, ctx.impl)  # dh: torch.cat's, contiguous
+                da = op(dh, x, ctx.n, ctx.ranks[0], ctx.impl)  # dh: torch.cat's, contiguous
         return None, _as_dtype(da, ctx.a_dtype), None, None, None
 
 
@@ -170,7 +170,7 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         with _below(level, x, *a) as (x, *a):
             x2 = _flat(x)
             ctx.dtypes, ctx.ranks = [t.dtype for t in a], [t.shape[0] for t in a]
-            h = _shared_h_impl(x2, torch.cat(a), n, impl)
+            h = _shared_h_impl(x2, torch.cat(a), n, ctx.ranks[0], impl)
             hs = h.split(ctx.ranks, dim=1)
         ctx.save_for_backward(x2)
         ctx.level, ctx.n, ctx.impl = level, n, impl
@@ -186,7 +186,7 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         double = not ctx.level and any(d is not None and _differentiated(d) for d in dhs)
         with _below(ctx.level, *dhs) as dhs, (contextlib.nullcontext() if double else torch.no_grad()):
             dh = _cat_grads(dhs, ctx.ranks, x2)
-            da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.impl)
+            da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.ranks[0], ctx.impl)
             das = tuple(_as_dtype(d, t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes))
         return (None, None, None, None, *das)
 

@@ -44,7 +44,7 @@ from fastaf.kernels import _graphs, _launch
 from fastaf.kernels._device import _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d
 from fastaf.kernels._device import available  # noqa: F401 - fastaf.functional asks lora_linear.available
 from fastaf.kernels.dropout_hash import keep_mask
-from fastaf.kernels.lora_linear_configs import DEFAULTS, INTERPRET
+from fastaf.kernels.lora_linear_configs import DEFAULTS, INTERPRET, MAX_RANK
 from fastaf.kernels.lora_linear_kernels import (_lora_linear_bwd_da_kernel, _lora_linear_bwd_db_kernel,
                                                 _lora_linear_bwd_dy_kernel, _lora_linear_fwd_h_kernel,
                                                 _lora_linear_gemm_kernel)
@@ -550,22 +550,25 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
 # The siblings' A factors are stacked on the rank axis, a (R, K) with R the sum of their ranks:
 # h (M, R) = x @ a.T is one fwd_h launch and dA (R, K) = dh.T @ x one bwd_da launch, where each
 # sibling alone would read x once more in forward and once more in backward. Each sibling's own
-# GEMM then takes its column slice of h (any strides). ``n`` is the first sibling's N: the
-# dispatch follows the choice its own forward or backward would make at (M, K, N, R).
+# GEMM then takes its column slice of h (any strides). ``n`` and ``r`` are the first sibling's N
+# and rank: the dispatch follows the choice its own forward or backward would make at (M, K, n, r),
+# as an eager group does (``lora_group.fits``), not at the summed rank (r=16 q/k/v at 48 once
+# resolved to the r=64 entries).
 
 
-def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, impl: str) -> torch.Tensor:
+def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, r: int, impl: str) -> torch.Tensor:
     """h = x @ a.T, (M, R) in x's dtype. x (M, K), a (R, K) the siblings' A stacked."""
-    (M, K), R = x.shape, a.shape[0]
-    if _choose(impl, "fwd", x, M, K, n, R) == "addmm":
+    M, K = x.shape
+    # cuBLAS where the dispatch says so, or where the summed rank is beyond the kernels' padding
+    if a.shape[0] > MAX_RANK or _choose(impl, "fwd", x, M, K, n, r) == "addmm":
         return x @ a.to(x.dtype).T  # cuBLAS takes one dtype
     return fwd_h(x, a, 0.0, None)
 
 
-def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, impl: str) -> torch.Tensor:
+def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, r: int, impl: str) -> torch.Tensor:
     """dA = dh.T @ x, (R, K) in fp32 (the kernel) or x's dtype (cuBLAS). dh (M, R) contiguous."""
-    (M, K), R = x.shape, dh.shape[1]
-    if _choose(impl, "bwd", x, M, K, n, R) == "addmm":
+    M, K = x.shape
+    if dh.shape[1] > MAX_RANK or _choose(impl, "bwd", x, M, K, n, r) == "addmm":
         return torch.mm(dh.T, x)
     return bwd_da(dh, x, 0.0, None)
 

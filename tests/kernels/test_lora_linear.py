@@ -186,6 +186,26 @@ def test_addmm_path_matches_reference(p):
     check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
 
 
+def test_shared_passes_ask_the_dispatch_at_the_first_siblings_rank(monkeypatch):
+    """The siblings' stacked h and dA passes follow the first sibling's own choice at (M, K, n, r),
+    as an eager group does, not the summed rank's; a sum beyond the kernels' padding takes cuBLAS."""
+    from fastaf.kernels.lora_linear_configs import MAX_RANK
+
+    asked = []
+    monkeypatch.setattr(ll, "_choose",
+                        lambda impl, phase, x, M, K, N, R: asked.append((phase, M, K, N, R)) or "addmm")
+    x, a = torch.randn(6, 8, dtype=torch.float64), torch.randn(48, 8, dtype=torch.float64)
+    torch.testing.assert_close(ll.shared_h(x, a, 32, 16, "auto"), x @ a.T)
+    dh = torch.randn(6, 48, dtype=torch.float64)
+    torch.testing.assert_close(ll.shared_da(dh, x, 32, 16, "auto"), dh.T @ x)
+    assert asked == [("fwd", 6, 8, 32, 16), ("bwd", 6, 8, 32, 16)]
+    asked.clear()
+    wide = torch.randn(MAX_RANK + 16, 8, dtype=torch.float64)
+    torch.testing.assert_close(ll.shared_h(x, wide, 32, 16, "triton"), x @ wide.T)
+    torch.testing.assert_close(ll.shared_da(x @ wide.T, x, 32, 16, "triton"), (x @ wide.T).T @ x)
+    assert not asked
+
+
 def test_available():
     assert ll.available(torch.empty(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
 
