@@ -21,8 +21,8 @@ run after PEFT's steps in one process, two alternating rounds): 100.8 / 100.0 ms
 102.6 ms without, 224 graphs captured either way (``e2e-liger-pool-*``). A key seen once or
 twice (addresses that never repeat) costs a dict entry; a capture that fails turns graphs off
 for the process, warned once, and the call launches normally. At ``_CAPACITY`` graphs, those kept
-are dropped and capturing starts over if they were replayed and no longer are, else new keys
-launch.
+are dropped and capturing starts over if they paid off and a key's capture was refused twice with
+no replay in between, else new keys launch.
 
 ``usable`` says where replays are safe: a CUDA tensor on the current device, the current stream
 the legacy default one (no user stream, no stream capture of the user's under way: theirs would
@@ -40,12 +40,13 @@ import torch
 
 from fastaf.kernels import _launch
 
-# graphs kept per process. At it, graphs that were replayed (on average _EARNED times each) but
-# no longer are (none replayed between two refused captures) are all dropped and capturing starts
-# over: a process's next training loop (a notebook's next model, a test suite's next test) gets
-# graphs too. Graphs still replaying (a loop with more calls than this) are kept; graphs that
-# never earned their keep (a loop whose addresses drift) stop the captures: that bounds what
-# captures never replayed cost (~0.1-1 ms each, once).
+# graphs kept per process. At it, a key whose capture is refused launches; refused once more with
+# no graph replayed in between (a whole iteration of a new loop ran without the old graphs), the
+# graphs kept are all dropped and capturing starts over, if they paid off (replayed _EARNED times
+# each on average): a process's next training loop (a notebook's next model, a test suite's next
+# test) gets graphs too. Graphs still replaying (a training loop beside an eval loop whose keys
+# came last) are kept; graphs that never paid off (a loop whose addresses drift) stop the
+# captures: that bounds what captures never replayed cost (~0.1-1 ms each, once).
 _CAPACITY = 4096
 _EARNED = 3  # replays per graph kept, its capture's own included
 _SIGHTINGS = 2  # launches of a key before its capture: a key that recurs only once is not captured
@@ -62,7 +63,7 @@ class LaunchGraphs:
         self.enabled = os.environ.get("FASTAF_LAUNCH_GRAPHS", "1") != "0"
         self.replays = self.captures = 0  # tests and diagnostics read them
         self._replays_at_clear = 0
-        self._replays_at_refusal = -1  # replays at the last capture refused at capacity
+        self._refused: dict[Hashable, int] = {}  # key -> replays when its capture was last refused
         self._lock = threading.Lock()  # one capture at a time (the backward runs on autograd's thread)
 
     def run(self, key: Hashable, device: int, launch: Callable[[], Any]) -> None:
@@ -74,7 +75,7 @@ class LaunchGraphs:
             self.replays += 1
             return
         launched = self.seen.get(key, 0)
-        if launched < _SIGHTINGS or (len(self.graphs) >= _CAPACITY and not self._renewed()):
+        if launched < _SIGHTINGS or (len(self.graphs) >= _CAPACITY and not self._renewed(key)):
             if launched == 0 and len(self.seen) >= _CAPACITY:  # addresses that drift: forget, not grow
                 self.seen.clear()
             self.seen[key] = launched + 1
@@ -91,16 +92,21 @@ class LaunchGraphs:
         graph.replay()  # a capture records the launches without running them
         self.replays += 1
 
-    def _renewed(self) -> bool:
+    def _renewed(self, key: Hashable) -> bool:
         """At capacity: whether the graphs kept served a loop that has ended, so that all are
-        dropped (``clear``) and capturing starts over; else this capture is refused (``_CAPACITY``)."""
-        if self.replays != self._replays_at_refusal:  # replayed since the last refusal: still in use
-            self._replays_at_refusal = self.replays
-            return False
-        if self.replays - self._replays_at_clear < _EARNED * len(self.graphs):  # never paid off
-            return False
-        self.clear()
-        return True
+        dropped (``clear``) and ``key`` may be captured; else its capture is refused (``_CAPACITY``)."""
+        with self._lock:  # not while another thread captures into the pool clear() drops
+            if self._refused.get(key) != self.replays:  # first refusal, or graphs replayed since
+                if len(self._refused) >= _CAPACITY:
+                    self._refused.clear()
+                self._refused[key] = self.replays
+                return False
+            if self.replays - self._replays_at_clear < _EARNED * len(self.graphs):  # never paid off
+                return False
+            seen = dict(self.seen)  # the new loop's sightings stay: its other keys capture on time
+            self.clear()
+            self.seen.update(seen)
+            return True
 
     def _launch(self, device: int, launch: Callable[[], Any]) -> None:
         """``launch()`` with its temporaries from ``device``'s pool (module docstring)."""
@@ -151,7 +157,8 @@ class LaunchGraphs:
         self.graphs.clear()
         self.seen.clear()
         self.pools.clear()
-        self._replays_at_clear, self._replays_at_refusal = self.replays, -1
+        self._refused.clear()
+        self._replays_at_clear = self.replays
 
 
 GRAPHS = LaunchGraphs()

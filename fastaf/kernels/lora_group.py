@@ -32,8 +32,9 @@ def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int],
     dispatch rejected. x (M, K). Never under torch's deterministic mode: the group's backward
     sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says.
     Each sibling is asked at its own rank, not the group's sum (q/k/v at r=16 once resolved to the
-    dispatch's r=64 entries, where k/v's forward takes cuBLAS: no group at the 1B shapes); the
-    sum must fit the kernels' padded rank, which the group's h and dx launches read."""
+    dispatch's r=64 entries, where q's forward at M=4096 and k/v's at M=8192 take cuBLAS on the
+    H100: no group at the 1B shapes); the sum must fit the kernels' padded rank, which the group's
+    h and dx launches read."""
     if torch.are_deterministic_algorithms_enabled():  # no alert here: each sibling alone decides
         return False
     if sum(ranks) > MAX_RANK:

@@ -552,8 +552,8 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
 # sibling alone would read x once more in forward and once more in backward. Each sibling's own
 # GEMM then takes its column slice of h (any strides). ``n`` and ``r`` are the first sibling's N
 # and rank: the dispatch follows the choice its own forward or backward would make at (M, K, n, r),
-# as an eager group does (``lora_group.fits``), not at the summed rank (r=16 q/k/v at 48 once
-# resolved to the r=64 entries).
+# not the summed rank's (r=16 q/k/v at 48 once resolved to the r=64 entries). An eager group asks
+# every sibling (``lora_group.fits``); here the others' choices apply to their own GEMMs only.
 
 
 def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, r: int, impl: str) -> torch.Tensor:

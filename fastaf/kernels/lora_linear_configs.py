@@ -114,7 +114,7 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       the K loop (``tl.range(..., warp_specialize=True)``), and one program per tile instead of
       the persistent loop (the GPU overlapping one program's epilogue with another's loads). Warp
       specialization moved 128x256x64 by -1%..+1% and did not compile at 128x128x64 (triton 3.6's
-      NVGPUWarpSpecialization pass failed); one program per tile ran 1.05-1.20x the persistent
+      NVGPUWarpSpecialization pass failed); one program per tile ran 1.00-1.20x the persistent
       128x256x64, and 128x128x64 at 2-3 stages (two programs an SM) 1.3-2.1x cuBLAS
       (bench/results/diag-gemm-1b-nvidia-h100-80gb-hbm3.json).
     """

@@ -76,8 +76,8 @@ def test_opcheck(op):
     h = torch.randn(7, 8)[:, 1:6]  # a sibling's column slice of the shared h: strided
     b, dy = torch.randn(4, 5), torch.randn(7, 4)
     args = {
-        "shared_h": (x, a, 4, 5, "torch"),
-        "shared_da": (torch.randn(7, 5), x, 4, 5, "torch"),
+        "shared_h": (x, a, 4, 2, "torch"),  # n, r: the first sibling's N and rank (of the stacked 5)
+        "shared_da": (torch.randn(7, 5), x, 4, 2, "torch"),
         "given_h_fwd": (x, w, bias, h, b, 0.7, "torch"),
         "given_h_bwd": (dy, x, w, a, b, h, 0.7, True, "torch"),
     }[op]

@@ -192,22 +192,27 @@ def _filled(monkeypatch) -> _graphs.LaunchGraphs:
 
 
 def test_at_capacity_graphs_of_an_ended_loop_make_way(monkeypatch, pooled):
-    """A process's next loop gets graphs once the first one's, which paid off, stop replaying: at
-    the second capture refused with no replay between, they are dropped and the key captured."""
+    """A process's next loop gets graphs once the first one's, which paid off, stop replaying: when
+    a key's capture is refused a second time with no replay between, they are dropped and the key
+    captured."""
     graphs = _filled(monkeypatch)
     runs = []
-    for _ in range(5):  # the next loop's key: launched 3 times (the third refused), then captured
-        graphs.run(("next",), 0, lambda: runs.append(1))
-    assert list(graphs.graphs) == [("next",)] and graphs.captures == 3 and graphs.replays == 8
-    assert len(runs) == 5 and not graphs.seen
+    for _ in range(5):  # each step of the next loop, two keys: launched 3 times (the third refused)
+        for i in range(2):
+            graphs.run(("next", i), 0, lambda: runs.append(1))
+    assert set(graphs.graphs) == {("next", 0), ("next", 1)} and graphs.captures == 4
+    assert len(runs) == 10 and not graphs.seen
 
 
 def test_at_capacity_graphs_still_replaying_are_kept(monkeypatch, pooled):
-    """A loop with more calls than the capacity keeps the graphs it replays; its other calls launch."""
+    """Graphs a training loop replays are kept when the keys refused at capacity are an eval
+    loop's, called back to back between training steps; the eval calls launch."""
     graphs = _filled(monkeypatch)
     for _ in range(4):
-        graphs.run(("more",), 0, lambda: None)
-        graphs.run(("first", 0), 0, lambda: None)  # the kept graphs replay between refusals
+        for i in range(3):  # eval: three keys in a row, refused once their sightings are up
+            graphs.run(("eval", i), 0, lambda: None)
+        for i in range(2):  # a training step: the kept graphs replay
+            graphs.run(("first", i), 0, lambda: None)
     assert set(graphs.graphs) == {("first", 0), ("first", 1)} and graphs.captures == 2
 
 
