@@ -167,12 +167,18 @@ def test_capture_at_third_sighting_then_replay(monkeypatch, pooled):
     assert ("other",) not in graphs.graphs and runs[-2:] == ["other", "other"]
 
 
-def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
-    """Graphs replayed once after their capture (below ``_EARNED``) fill the capacity for good:
-    later keys launch, as a loop whose addresses drift would."""
+def _capacity_2(monkeypatch) -> _graphs.LaunchGraphs:
+    """Graphs with a stand-in capture and a capacity of 2."""
     graphs = _graphs.LaunchGraphs()
     monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
     monkeypatch.setattr(_graphs, "_CAPACITY", 2)
+    return graphs
+
+
+def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
+    """Graphs replayed once after their capture (below ``_EARNED``) fill the capacity for good:
+    later keys launch, as a loop whose addresses drift would."""
+    graphs = _capacity_2(monkeypatch)
     for i in range(4):
         for _ in range(4):
             graphs.run(("k", i), 0, lambda: None)
@@ -181,9 +187,7 @@ def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
 
 def _filled(monkeypatch) -> _graphs.LaunchGraphs:
     """Graphs at a capacity of 2, filled by a loop whose two keys were captured, then replayed twice."""
-    graphs = _graphs.LaunchGraphs()
-    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
-    monkeypatch.setattr(_graphs, "_CAPACITY", 2)
+    graphs = _capacity_2(monkeypatch)
     for i in range(2):
         for _ in range(5):
             graphs.run(("first", i), 0, lambda: None)

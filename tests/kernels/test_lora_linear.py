@@ -188,7 +188,7 @@ def test_addmm_path_matches_reference(p):
 
 def test_shared_passes_ask_the_dispatch_at_the_first_siblings_rank(monkeypatch):
     """The siblings' stacked h and dA passes follow the first sibling's own choice at (M, K, n, r),
-    as an eager group does, not the summed rank's; a sum beyond the kernels' padding takes cuBLAS."""
+    not the summed rank's; a sum beyond the kernels' padding takes cuBLAS."""
     from fastaf.kernels.lora_linear_configs import MAX_RANK
 
     asked = []
