@@ -211,6 +211,36 @@ def test_gpu_bf16_llama_1b_attention_shapes(impl):
         assert_close(g, g0, torch.bfloat16, "grad")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("ranks", [(16, 8, 40), (128, 128, 16)], ids=["sum-64", "sum-272"])
+def test_gpu_compiled_siblings_of_mixed_ranks(ranks, impl):
+    """q/k/v of the 1B shape at mixed ranks under Inductor (the stacked h and dA ops asked at the
+    first sibling's own rank): values and gradients against lora_linear per layer. Summed to 272,
+    beyond the kernels' padding, the stacked passes take cuBLAS, even under impl='triton'."""
+    torch.manual_seed(0)
+    layers = [(w.cuda().bfloat16(), None, fa.LoRA(l.A.detach().cuda().requires_grad_(),
+                                                   l.B.detach().cuda().requires_grad_(), l.scale))
+              for w, _, l in siblings(K=2048, ns=(2048, 512, 512), ranks=ranks)]
+    loras = [l for _, _, l in layers]
+    x = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(2, 1024, w.shape[0], device="cuda", dtype=torch.bfloat16) for w, _, _ in layers]
+
+    def f(x, loras):
+        hs = _siblings.shared_h(x, loras, impl=impl)
+        return [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, _), h, l in zip(layers, hs, loras)]
+
+    ys = torch.compile(f, fullgraph=True)(x, loras)
+    ys0 = [lora_linear(x, w, b, l, impl="torch") for w, b, l in layers]
+    inputs = [x] + [t for l in loras for t in (l.A, l.B)]
+    grads, grads0 = torch.autograd.grad(ys, inputs, dys), torch.autograd.grad(ys0, inputs, dys)
+    for y, y0 in zip(ys, ys0):
+        assert_close(y, y0, torch.bfloat16, "y")
+    for g, g0 in zip(grads, grads0):
+        assert_close(g, g0, torch.bfloat16, "grad")
+
+
 class _TwoHeads(torch.nn.Module):
     """q and k over one input; ``mutate`` doubles it in place between them."""
 
