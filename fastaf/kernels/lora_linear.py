@@ -299,13 +299,14 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
 
 
 def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torch.Tensor],
-                 config: Optional[dict]) -> list:
+                 config: Optional[dict], dh_dtype: torch.dtype = torch.float32) -> list:
     """[grid, SPLIT_M, use TMA, meta, meta_key, the launched kernel] of a bwd_da launch, memoized
-    per call signature where it can be (``_call_memo``)."""
+    per call signature where it can be (``_call_memo``). ``dh_dtype``: the kernel kept is
+    specialized on it (an fp32 dh read through a kernel built for bf16 gives garbage)."""
     M, K = x.shape
     dtype = x.dtype
-    call = (("bwd_da", x.get_device(), M, K, R, x.stride(), dtype, seed.dtype if has_dropout else None, _tf32(dtype))
-            if config is None and _aligned(x, seed) else None)
+    call = (("bwd_da", x.get_device(), M, K, R, x.stride(), dtype, dh_dtype, seed.dtype if has_dropout else None,
+             _tf32(dtype)) if config is None and _aligned(x, seed) else None)
     return _call_plan(call, lambda: _bwd_da_launch_plan(x, R, has_dropout, config))
 
 
@@ -327,7 +328,8 @@ def _bwd_da_launch_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Opti
 def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
            *, config: Optional[dict] = None, da: Optional[torch.Tensor] = None,
            plan: Optional[list] = None) -> torch.Tensor:
-    """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous fp32 (M, R), x (M, K).
+    """da = dh.T @ dropout(x) as fp32 (R, K). dh contiguous (M, R), fp32 (the backward's own) or
+    x's dtype (a compiled graph's), x (M, K).
 
     ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller. ``plan``:
     ``_bwd_da_plan``'s, when the caller has it.
@@ -335,7 +337,7 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
     M, K = x.shape
     R = dh.shape[1]
     has_dropout = dropout_p > 0
-    plan = _bwd_da_plan(x, R, has_dropout, seed, config) if plan is None else plan
+    plan = _bwd_da_plan(x, R, has_dropout, seed, config, dh.dtype) if plan is None else plan
     grid, split, tma, meta, meta_key = plan[:5]
     if da is None:
         da = (torch.empty if split == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
@@ -570,7 +572,7 @@ def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, r: int, impl: str) -> t
     M, K = x.shape
     if dh.shape[1] > MAX_RANK or _choose(impl, "bwd", x, M, K, n, r) == "addmm":
         return torch.mm(dh.T, x)
-    return bwd_da(dh, x, 0.0, None)
+    return bwd_da(dh.contiguous(), x, 0.0, None)  # the kernel takes dh's rows packed
 
 
 def given_h_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,

@@ -336,6 +336,24 @@ def test_gpu_dispatch_override_forces_a_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_bwd_da_keeps_a_kernel_per_dh_dtype():
+    """dA at one shape from a compiled graph's bf16 dh (``shared_da``), then from an eager group's
+    fp32 dh (``bwd_da``): each launch reads dh in its own dtype. Before, the kernel kept for the
+    first ran the second too, reading fp32 as bf16 (NaN gate/up dA after a compiled step)."""
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    wide = torch.randn(2048, 40, device="cuda", dtype=torch.bfloat16)
+    for dh in (wide[:, :32], wide[:, :32].float(), wide[:, :32].contiguous(), wide[:, 8:40].float()):
+        ref = dh.double().T @ x.double()
+        if dh.dtype == torch.bfloat16:  # the compiled path's op, any strides
+            got = ll.shared_da(dh, x, 8192, 16, "triton")
+        else:
+            got = ll.bwd_da(dh.contiguous(), x, 0.0, None)
+        assert torch.isfinite(got).all()
+        assert_close(got, ref, torch.bfloat16, f"dA from a {dh.dtype} dh")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fast_launch_repeats():
     """Repeated launches take the cached-kernel path and stay right on fresh inputs, also when an
     argument's specialization changes (misaligned view, different dropout, fp16 vs bf16)."""
