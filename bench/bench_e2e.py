@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ from fastaf.functional import _below_grad, _call, _group  # noqa: E402
 from fastaf.kernels import _dispatch, _graphs  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LR = 1e-4  # AdamW's learning rate on the adapter (--lr; 0 keeps every step's data the first step's)
 PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-init", "fastaf-autograd",
              "fastaf-func", "fastaf-func-compiled", "fastaf-autograd-compiled"]
 LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger", "fastaf-func-liger"]
@@ -99,7 +101,7 @@ def base_step(model, ids, compiled: bool = False):
 
 def _autograd_step(loss_fn, params: list, cuda: bool):
     """A step of ``loss_fn()``: backward, then fused AdamW on ``params``."""
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+    opt = torch.optim.AdamW(params, lr=LR, fused=cuda)
 
     def step():
         loss = loss_fn()
@@ -124,7 +126,7 @@ def fastaf_func_step(model, ids, compiled: bool = False):
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=16, alpha=32, targets=TARGETS), seed=0)
     leaves, spec = pytree.tree_flatten(adapter)
     # The optimizer owns the fp32 master leaves; the adapter value is rebuilt from them each step.
-    opt = torch.optim.AdamW(leaves, lr=1e-4, fused=ids.is_cuda)
+    opt = torch.optim.AdamW(leaves, lr=LR, fused=ids.is_cuda)
     batch = {"input_ids": ids, "labels": ids}
     grad_fn = torch.func.grad_and_value(lambda ad: fa.functional_call(model, ad, (), batch).loss)
     grad_fn = torch.compile(grad_fn, fullgraph=True) if compiled else grad_fn
@@ -296,7 +298,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences of 1024 tokens per step (BENCH.md: 8)")
     ap.add_argument("--profile", default="", metavar="PROVIDERS",
                     help="after timing, profile these providers' host and device time over 3 steps")
+    ap.add_argument("--lr", type=float, default=LR, help="AdamW's learning rate (0: the adapter, and so every "
+                    "step's data and the GPU's power draw, stay as at the first step)")
     args = ap.parse_args()
+    globals()["LR"] = args.lr
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args.tiny, device)
     model = _liger(model) if args.liger else model
@@ -330,6 +335,7 @@ def main() -> None:
             t = {}
         else:
             t = H.time_fn(step, warmup=300, rep=2000) if device == "cuda" else _wall_ms(step)
+            t["loss_last"] = step().item()
         mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
         # the eager launches' CUDA graphs over this provider's steps: captures, replays (_graphs)
         graphs = [_graphs.GRAPHS.captures - graphs0[0], _graphs.GRAPHS.replays - graphs0[1]]
@@ -349,7 +355,7 @@ def main() -> None:
     if args.interleave:
         timed = H.time_interleaved(steps, rounds=args.interleave, warmup=300, rep=2000 * args.interleave)
         for r in rows:
-            r.update(timed[r["provider"]])
+            r.update(timed[r["provider"]], loss_last=steps[r["provider"]]().item())
             print(f"{r['provider']:12s} {r['ms']:8.2f} ms  rounds {r['rounds']}  graphs: {r['graphs'][0]} captured, "
                   f"{r['graphs'][1]} replays", flush=True)
     if args.profile:
@@ -358,10 +364,15 @@ def main() -> None:
     for r in rows:
         r["ratio_to_base"] = r["ms"] / base if base else None
     name = args.name or ("e2e-liger" if args.liger else "e2e") + ("-tiny" if args.tiny else "")
-    path = H.write_results(name, rows, {"batch": batch, "seq": seq})
+    path = H.write_results(name, rows, {"batch": batch, "seq": seq, "lr": args.lr})
     print(f"wrote {path}")
     for r in rows:
         print(f"  {r['provider']:12s} {r['ms']:8.2f} ms  {r['ratio_to_base']:.2f}x base" if base else r)
+    # A step that went non-finite timed other work than a training step (NaN data draws less
+    # power: the H100's clocks rose and compute-bound kernels ran 5-8% faster, e2e-s30-*).
+    broken = [r["provider"] for r in rows if not math.isfinite(r["loss_last"])]
+    if broken:
+        raise SystemExit(f"non-finite loss after timing (timings invalid): {', '.join(broken)}")
 
 
 if __name__ == "__main__":
