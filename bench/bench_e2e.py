@@ -40,7 +40,9 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   fastaf-autograd-liger, fastaf-init-liger and fastaf-func-liger (Liger's old-style Functions
   run under torch.func only below the grad level). Liger patches transformers' Llama module
   globally, so it runs in a process of its own.
-The first step of every provider is checked: its loss equals the base model's (B starts at 0).
+The first step of every provider is checked: its loss equals the base model's (B starts at 0);
+its loss after timing is recorded (``loss_last``) and a non-finite one fails the run, since its
+timing measured a broken step.
 Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
 """
 from __future__ import annotations

@@ -206,6 +206,16 @@ def test_shared_passes_ask_the_dispatch_at_the_first_siblings_rank(monkeypatch):
     assert not asked
 
 
+def test_bwd_da_call_plans_differ_per_dh_dtype():
+    """A bwd_da call plan keeps the kernel it launched, specialized on dh's dtype: a compiled
+    graph's bf16 dh and an eager group's fp32 dh at one shape get plans of their own (one shared
+    plan relaunched the other's kernel, reading dh in the wrong dtype)."""
+    x = torch.randn(64, 32)
+    fp32 = ll._bwd_da_plan(x, 8, False, None, None, torch.float32)
+    assert ll._bwd_da_plan(x, 8, False, None, None, torch.bfloat16) is not fp32
+    assert ll._bwd_da_plan(x, 8, False, None, None) is fp32  # the backward's own dh: fp32
+
+
 def test_available():
     assert ll.available(torch.empty(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
 
