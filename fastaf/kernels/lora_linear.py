@@ -294,7 +294,8 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
         return dh, db_buf if b_dtype == torch.float32 or not cast else db_buf.to(b_dtype)
     db = torch.empty((N, R), device=dev, dtype=b_dtype) if db_out is None else db_out
     _launch_planned(_SITES["bwd_db"], plan, 9, (triton.cdiv(N * R, db_meta["BLOCK"]),),
-                    (db_buf, db, N * R, partials, float(scale)), db_meta, db_meta_key)
+                    (db_buf, db, N * R, partials, float(scale)), db_meta, db_meta_key,
+                    alike=db_out is None or (db_out.dtype == b_dtype and _aligned(db_out)))
     return dh, db
 
 
@@ -332,11 +333,13 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
     x's dtype (a compiled graph's), x (M, K).
 
     ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller. ``plan``:
-    ``_bwd_da_plan``'s, when the caller has it.
+    ``_bwd_da_plan``'s for an fp32 dh, when the caller has it.
     """
     M, K = x.shape
     R = dh.shape[1]
     has_dropout = dropout_p > 0
+    # a caller's plan was built for an fp32 dh: another dtype must not relaunch its kernel
+    alike = plan is None or dh.dtype == torch.float32
     plan = _bwd_da_plan(x, R, has_dropout, seed, config, dh.dtype) if plan is None else plan
     grid, split, tma, meta, meta_key = plan[:5]
     if da is None:
@@ -349,7 +352,7 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
         M, K, R,
         xs[0], xs[1],
         float(dropout_p),
-    ), meta, meta_key, alike=_aligned(dh, da))
+    ), meta, meta_key, alike=alike and _aligned(dh, da))
     return da
 
 
