@@ -53,8 +53,10 @@ def results(bench: str) -> list[tuple[Path, dict]]:
 
 
 def plot_e2e(path: Path, data: dict) -> Path:
-    """Horizontal bars: each provider's step time ÷ the base row's, slowest at the bottom."""
-    rows = data["rows"]
+    """Horizontal bars: each provider's step time ÷ the base row's, slowest at the bottom. Rows
+    marked ``invalid`` (a timing of a broken step) are left out and named under the chart."""
+    invalid = [r["provider"] for r in data["rows"] if r.get("invalid")]
+    rows = [r for r in data["rows"] if not r.get("invalid")]
     base = next(r["ms"] for r in rows if r["provider"] == "base")
     rows = sorted(rows, key=lambda r: r["ms"], reverse=True)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
@@ -65,7 +67,8 @@ def plot_e2e(path: Path, data: dict) -> Path:
     ax.set_yticks(list(y), [E2E_LABELS.get(r["provider"], r["provider"]) for r in rows])
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xlim(0, max(r["ms"] for r in rows) / base * 1.3)
-    ax.set_xlabel("step time ÷ frozen model forward+backward (lower is better)")
+    ax.set_xlabel("step time ÷ frozen model forward+backward (lower is better)"
+                  + (f"\nleft out, timed invalid in this run: {', '.join(invalid)}" if invalid else ""))
     r0, meta = rows[0], data["meta"]
     ax.set_title(f"One LoRA training step: Llama-3.2-1B shape, {meta['batch']}x{meta['seq']} tokens, "
                  f"r={r0['r']}, {r0['dtype']}\n{title(meta)}", fontsize=10)
