@@ -290,6 +290,7 @@ def _liger(model):
 
 
 def main() -> None:
+    global LR
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model on any device (a smoke test)")
     ap.add_argument("--liger", action="store_true", help="patch Liger-Kernel in; run the -liger providers")
@@ -303,7 +304,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=LR, help="AdamW's learning rate (0: the adapter, and so every "
                     "step's data and the GPU's power draw, stay as at the first step)")
     args = ap.parse_args()
-    globals()["LR"] = args.lr
+    LR = args.lr  # read by the step makers below
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args.tiny, device)
     model = _liger(model) if args.liger else model

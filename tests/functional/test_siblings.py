@@ -186,29 +186,40 @@ def test_no_sharing_under_dropout_or_vmap(count_shared, monkeypatch):
     assert count_shared == [] and out.shape[0] == 2  # vmap over a stack takes the grouped kernels
 
 
+def qkv_1b(ranks, tokens: int, device: str = "cuda"):
+    """q/k/v of the Llama-3.2-1B shape (K=2048; N 2048, 512, 512) at ``ranks`` in bf16, with an
+    input x of (2, tokens // 2, 2048) and an output gradient per layer: (layers, x, dys)."""
+    torch.manual_seed(0)
+    layers = [(w.to(device, torch.bfloat16), None, fa.LoRA(l.A.detach().to(device).requires_grad_(),
+                                                            l.B.detach().to(device).requires_grad_(), l.scale))
+              for w, _, l in siblings(K=2048, ns=(2048, 512, 512), ranks=ranks)]
+    x = torch.randn(2, tokens // 2, 2048, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(2, tokens // 2, w.shape[0], device=device, dtype=torch.bfloat16) for w, _, _ in layers]
+    return layers, x, dys
+
+
+def assert_per_layer(ys, layers, x, dys):
+    """ys and their gradients (x, every A and B) equal lora_linear's per layer, in bf16's tolerance."""
+    loras = [l for _, _, l in layers]
+    ys0 = [lora_linear(x, w, b, l, impl="torch") for w, b, l in layers]
+    inputs = [x] + [t for l in loras for t in (l.A, l.B)]
+    grads, grads0 = torch.autograd.grad(ys, inputs, dys), torch.autograd.grad(ys0, inputs, dys)
+    for y, y0 in zip(ys, ys0):
+        assert_close(y, y0, torch.bfloat16, "y")
+    for g, g0 in zip(grads, grads0):
+        assert_close(g, g0, torch.bfloat16, "grad")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl", ["auto", "triton"])
 def test_gpu_bf16_llama_1b_attention_shapes(impl):
     """q/k/v of the Llama-3.2-1B shape (K=2048; N 2048, 512, 512; r=16) at M=4096, bf16, kernels
     against lora_linear per layer."""
-    torch.manual_seed(0)
-    layers = [(w.cuda().bfloat16(), None, fa.LoRA(l.A.detach().cuda().requires_grad_(),
-                                                   l.B.detach().cuda().requires_grad_(), l.scale))
-              for w, _, l in siblings(K=2048, ns=(2048, 512, 512), ranks=(16, 16, 16))]
-    x = torch.randn(2, 2048, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dys = [torch.randn(2, 2048, w.shape[0], device="cuda", dtype=torch.bfloat16) for w, _, _ in layers]
-    loras = [l for _, _, l in layers]
-    hs = _siblings.shared_h(x, loras, impl=impl)
-    ys = [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, l), h in zip(layers, hs)]
-    ys0 = [lora_linear(x, w, b, l, impl="torch") for w, b, l in layers]
-    inputs = [x] + [t for l in loras for t in (l.A, l.B)]
-    grads = torch.autograd.grad(ys, inputs, dys)
-    grads0 = torch.autograd.grad(ys0, inputs, dys)
-    for y, y0 in zip(ys, ys0):
-        assert_close(y, y0, torch.bfloat16, "y")
-    for g, g0 in zip(grads, grads0):
-        assert_close(g, g0, torch.bfloat16, "grad")
+    layers, x, dys = qkv_1b((16, 16, 16), 4096)
+    hs = _siblings.shared_h(x, [l for _, _, l in layers], impl=impl)
+    assert_per_layer([_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, l), h in zip(layers, hs)],
+                     layers, x, dys)
 
 
 @pytest.mark.gpu
@@ -219,26 +230,13 @@ def test_gpu_compiled_siblings_of_mixed_ranks(ranks, impl):
     """q/k/v of the 1B shape at mixed ranks under Inductor (the stacked h and dA ops asked at the
     first sibling's own rank): values and gradients against lora_linear per layer. Summed to 272,
     beyond the kernels' padding, the stacked passes take cuBLAS, even under impl='triton'."""
-    torch.manual_seed(0)
-    layers = [(w.cuda().bfloat16(), None, fa.LoRA(l.A.detach().cuda().requires_grad_(),
-                                                   l.B.detach().cuda().requires_grad_(), l.scale))
-              for w, _, l in siblings(K=2048, ns=(2048, 512, 512), ranks=ranks)]
-    loras = [l for _, _, l in layers]
-    x = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dys = [torch.randn(2, 1024, w.shape[0], device="cuda", dtype=torch.bfloat16) for w, _, _ in layers]
+    layers, x, dys = qkv_1b(ranks, 2048)
 
     def f(x, loras):
         hs = _siblings.shared_h(x, loras, impl=impl)
         return [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, _), h, l in zip(layers, hs, loras)]
 
-    ys = torch.compile(f, fullgraph=True)(x, loras)
-    ys0 = [lora_linear(x, w, b, l, impl="torch") for w, b, l in layers]
-    inputs = [x] + [t for l in loras for t in (l.A, l.B)]
-    grads, grads0 = torch.autograd.grad(ys, inputs, dys), torch.autograd.grad(ys0, inputs, dys)
-    for y, y0 in zip(ys, ys0):
-        assert_close(y, y0, torch.bfloat16, "y")
-    for g, g0 in zip(grads, grads0):
-        assert_close(g, g0, torch.bfloat16, "grad")
+    assert_per_layer(torch.compile(f, fullgraph=True)(x, [l for _, _, l in layers]), layers, x, dys)
 
 
 class _TwoHeads(torch.nn.Module):
