@@ -83,21 +83,37 @@ def _clean(folder) -> bool:
 
 
 def test_saves_killed_at_random_moments_read_back_whole(tmp_path, pair):
+    """60 kills, each after a random number of whole saves and a random part of the next one.
+
+    The child reports each finished save on a pipe, so where the kill lands follows the child's own
+    progress, not the wall clock: on a slow machine a fixed sleep could end before any save did.
+    """
     folder = tmp_path / "ad"
     _save(pair[0], folder, "old")
+    start = time.perf_counter()
+    _save(pair[0], folder, "old")
+    one_save = time.perf_counter() - start
     rng = random.Random(0)
     seen = set()
 
-    def save_forever():
-        for i in range(10**6):
-            which = ("new", "old")[i % 2]
-            _save(pair[which == "new"], folder, which)
-
     for _ in range(60):  # the issue asks for at least 40 kills
+        read_end, write_end = os.pipe()
+
+        def save_forever():
+            os.close(read_end)
+            for i in range(10**6):
+                which = ("new", "old")[i % 2]
+                _save(pair[which == "new"], folder, which)
+                os.write(write_end, b".")
+
         pid = _fork(save_forever)
-        time.sleep(rng.uniform(0.0, 0.03))
+        os.close(write_end)
+        for _ in range(rng.randint(1, 2)):  # 1 save done: "new" is whole; 2: "old"
+            assert os.read(read_end, 1) == b".", "the saving child died before a save finished"
+        time.sleep(rng.uniform(0.0, 1.5 * one_save))  # then into the next save, or past it
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(read_end)
         seen.add(_which(folder, pair))
     assert seen == {"old", "new"}  # the kills landed in different saves
     _save(pair[1], folder, "new")  # the next save finishes or drops every leftover
