@@ -19,8 +19,10 @@ caching allocator then makes the same allocations whether a step launches or rep
 blocks it holds for the model's tensors do not split around them. Measured (H100, the Liger step
 run after PEFT's steps in one process, two alternating rounds): 100.8 / 100.0 ms with it, 105.5 /
 102.6 ms without, 224 graphs captured either way (``e2e-liger-pool-*``). A key seen once or
-twice (addresses that never repeat) costs a dict entry; a capture that fails turns graphs off
-for the process, warned once, and the call launches normally. At ``_CAPACITY`` graphs, those kept
+twice (addresses that never repeat) costs a dict entry, kept for two generations of
+``_GENERATION`` new keys: a loop's key that recurs within that many other keys is recognised
+however many keys a step has, and keys that never recur are forgotten. A capture that fails turns
+graphs off for the process, warned once, and the call launches normally. At ``_CAPACITY`` graphs, those kept
 are dropped and capturing starts over if they paid off and a key's capture was refused twice with
 no replay in between, else new keys launch.
 
@@ -50,6 +52,11 @@ from fastaf.kernels import _launch
 _CAPACITY = 4096
 _EARNED = 3  # replays per graph kept, its capture's own included
 _SIGHTINGS = 2  # launches of a key before its capture: a key that recurs only once is not captured
+# new keys per generation of sightings. Two generations are kept, so a key is recognised when it
+# recurs within _GENERATION other keys: a step of more graphed calls than _CAPACITY (an 80-layer
+# model under gradient accumulation) still captures its first _CAPACITY keys. Clearing one dict at
+# a cap instead forgot a step of more keys than the cap before any of them recurred.
+_GENERATION = 2 * _CAPACITY
 
 
 class LaunchGraphs:
@@ -57,7 +64,8 @@ class LaunchGraphs:
 
     def __init__(self) -> None:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.seen: dict[Hashable, int] = {}  # key -> its calls launched so far
+        self.seen: dict[Hashable, int] = {}  # key -> its calls launched so far (this generation)
+        self._older: dict[Hashable, int] = {}  # the same, of the generation before
         self.pools: dict[int, Any] = {}  # device -> the MemPool its graphs and launches share
         self.streams: dict[int, torch.cuda.Stream] = {}  # device -> the side stream captures run on
         self.enabled = os.environ.get("FASTAF_LAUNCH_GRAPHS", "1") != "0"
@@ -74,14 +82,13 @@ class LaunchGraphs:
             graph.replay()
             self.replays += 1
             return
-        launched = self.seen.get(key, 0)
+        launched = self._sightings(key)
         if launched < _SIGHTINGS or (len(self.graphs) >= _CAPACITY and not self._renewed(key)):
-            if launched == 0 and len(self.seen) >= _CAPACITY:  # addresses that drift: forget, not grow
-                self.seen.clear()
-            self.seen[key] = launched + 1
+            self._sighted(key, launched + 1)
             self._launch(device, launch)
             return
         self.seen.pop(key, None)  # another thread may have cleared it meanwhile
+        self._older.pop(key, None)
         with self._lock:
             graph = self._capture(device, launch)
         if graph is None:
@@ -91,6 +98,20 @@ class LaunchGraphs:
         self.captures += 1
         graph.replay()  # a capture records the launches without running them
         self.replays += 1
+
+    def _sightings(self, key: Hashable) -> int:
+        """Launches of ``key`` so far, in either generation."""
+        launched = self.seen.get(key)
+        return self._older.get(key, 0) if launched is None else launched
+
+    def _sighted(self, key: Hashable, launched: int) -> None:
+        """Record ``key``'s launches in this generation; a full one becomes the older (the older
+        one's keys, not seen again since, are forgotten: addresses that drift do not grow it)."""
+        if key not in self.seen:
+            if len(self.seen) >= _GENERATION:
+                self._older, self.seen = self.seen, {}
+            self._older.pop(key, None)
+        self.seen[key] = launched
 
     def _renewed(self, key: Hashable) -> bool:
         """At capacity: whether the graphs kept served a loop that has ended, so that all are
@@ -103,9 +124,9 @@ class LaunchGraphs:
                 return False
             if self.replays - self._replays_at_clear < _EARNED * len(self.graphs):  # never paid off
                 return False
-            seen = dict(self.seen)  # the new loop's sightings stay: its other keys capture on time
-            self.clear()
-            self.seen.update(seen)
+            seen, older = self.seen, self._older  # the new loop's sightings stay: its other
+            self.clear()  # keys capture on time
+            self.seen, self._older = seen, older
             return True
 
     def _launch(self, device: int, launch: Callable[[], Any]) -> None:
@@ -155,7 +176,7 @@ class LaunchGraphs:
         if self.graphs and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.graphs.clear()
-        self.seen.clear()
+        self.seen, self._older = {}, {}
         self.pools.clear()
         self._refused.clear()
         self._replays_at_clear = self.replays

@@ -185,6 +185,29 @@ def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
     assert len(graphs.graphs) == 2 and graphs.captures == 2
 
 
+def test_a_step_of_more_keys_than_a_generation_still_captures(monkeypatch, pooled):
+    """A loop of 5 keys a step with generations of 4 new keys: each key recurs within 4 other
+    keys, so all are captured on their third sighting (one dict cleared at 4 forgot them all)."""
+    monkeypatch.setattr(_graphs, "_GENERATION", 4)
+    graphs = _graphs.LaunchGraphs()
+    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
+    for step in range(4):
+        for i in range(5):
+            graphs.run(("loop", i), 0, lambda: None)
+        assert graphs.captures == (5 if step >= 2 else 0)
+    assert graphs.replays == 10 and not graphs.seen and not graphs._older
+
+
+def test_keys_that_never_recur_are_forgotten(monkeypatch, pooled):
+    """Addresses that drift: the sightings kept stay within two generations."""
+    monkeypatch.setattr(_graphs, "_GENERATION", 3)
+    graphs = _graphs.LaunchGraphs()
+    for i in range(50):
+        graphs.run(("drift", i), 0, lambda: None)
+        assert len(graphs.seen) + len(graphs._older) <= 6
+    assert graphs.captures == 0
+
+
 def _filled(monkeypatch) -> _graphs.LaunchGraphs:
     """Graphs at a capacity of 2, filled by a loop whose two keys were captured, then replayed twice."""
     graphs = _capacity_2(monkeypatch)
