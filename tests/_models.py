@@ -35,8 +35,9 @@ def _seeded(model_cls, config, seed: int, dtype: torch.dtype):
     return model_cls(config).to(dtype).eval()
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    return _seeded(LlamaForCausalLM, LlamaConfig(**_DECODER), seed, dtype)
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> LlamaForCausalLM:
+    """``layers=1`` where a test compiles: dynamo traces each layer (~20 s a layer on CI's 2 cores)."""
+    return _seeded(LlamaForCausalLM, LlamaConfig(**{**_DECODER, "num_hidden_layers": layers}), seed, dtype)
 
 
 def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
@@ -44,15 +45,15 @@ def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCau
     return _seeded(Qwen2ForCausalLM, Qwen2Config(**_DECODER), seed, dtype)
 
 
-def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
+def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> GPT2LMHeadModel:
     """GPT-2's attention and MLP are transformers Conv1D layers (weight stored (in, out))."""
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager")
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64, attn_implementation="eager")
     return _seeded(GPT2LMHeadModel, cfg, seed, dtype)
 
 
-def tiny_falcon(seed: int = 0, dtype: torch.dtype = torch.float32) -> FalconForCausalLM:
+def tiny_falcon(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> FalconForCausalLM:
     """Falcon's FalconLinear computes ``x @ self.weight.T``, not F.linear."""
-    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                        new_decoder_architecture=False, attn_implementation="eager")
     return _seeded(FalconForCausalLM, cfg, seed, dtype)
 
@@ -81,14 +82,14 @@ def random_adapter(model, targets, r: int = 4, alpha: float = 8.0, seed: int = 0
     return ad.map(lambda p, l: dataclasses.replace(l, B=(torch.randn(l.B.shape, generator=g) * 0.1).to(l.B)))
 
 
-def tiny_mixtral(seed: int = 0, dtype: torch.dtype = torch.float32, experts: str = "batched_mm"):
+def tiny_mixtral(seed: int = 0, dtype: torch.dtype = torch.float32, experts: str = "batched_mm", layers: int = 2):
     """Fused 3-D experts: gate_up_proj (E, 2I, H), down_proj (E, H, I), router mlp.gate (E, H).
     ``experts``: transformers' experts implementation; batched_mm runs under vmap (eager's
     nonzero and grouped_mm's histc do not)."""
     import transformers
 
-    cfg = transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2,
-                                     experts_implementation=experts)
+    cfg = transformers.MixtralConfig(**{**_DECODER, "num_hidden_layers": layers}, num_local_experts=4,
+                                     num_experts_per_tok=2, experts_implementation=experts)
     cfg.intermediate_size = 48  # 2I != H and I != H: a swapped layout cannot pass by accident
     return _seeded(transformers.MixtralForCausalLM, cfg, seed, dtype)
 

@@ -184,10 +184,9 @@ def test_activation_checkpointing_recomputes_the_expert_weights():
 
 
 def test_compile_fullgraph_has_no_graph_breaks():
-    base = tiny_mixtral()
+    """``fullgraph=True`` raises at any graph break (one layer: dynamo traces each, slowly on CI)."""
+    base = tiny_mixtral(layers=1)
     ad = random_adapter(base, ["gate_up_proj", "gate.weight"])
     ids = token_batch(2, 7)
     f = lambda a, ids: fa.functional_call(base, a, (ids,)).logits  # noqa: E731
-    explained = torch._dynamo.explain(f)(ad, ids)
-    assert explained.graph_break_count == 0, explained.break_reasons
     assert rel_err(torch.compile(f, fullgraph=True, backend="aot_eager")(ad, ids), f(ad, ids)) < RTOL

@@ -140,7 +140,7 @@ def test_cross_attention_keys_and_values_share_the_encoder_output(count_shared, 
 
 
 def test_autograd_double_backward_and_compile_with_sharing(count_shared, monkeypatch):
-    base, ids = tiny_llama(), token_batch()
+    base, ids = tiny_llama(layers=1), token_batch()  # one layer: dynamo traces each, slowly on CI
     ad = random_adapter(base, ALL_LINEAR)
     ad = ad.map(lambda p, l: fa.LoRA(l.A.detach().requires_grad_(), l.B.detach().requires_grad_(), l.scale))
     loss = lambda a: fa.functional_call(base, a, (ids,)).logits.pow(2).mean()  # noqa: E731
@@ -160,11 +160,8 @@ def test_autograd_double_backward_and_compile_with_sharing(count_shared, monkeyp
     f = torch.func.grad_and_value(loss)
     g0, v0 = f(ad)
     assert count_shared == []
-    explained = torch._dynamo.explain(f)(ad)
-    assert explained.graph_break_count == 0, explained.break_reasons
+    g, v = torch.compile(f, fullgraph=True, backend="aot_eager")(ad)  # fullgraph: no graph break
     assert count_shared == [4, 2] * base.config.num_hidden_layers  # traced once, sharing
-    torch._dynamo.reset()
-    g, v = torch.compile(f, fullgraph=True, backend="aot_eager")(ad)
     assert rel_err(v, v0) < REL_TOL[torch.float32]
     for a, b in zip(leaves(g), leaves(g0)):
         assert_close(a, b, torch.float32, "compiled grad")
