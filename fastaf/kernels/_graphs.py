@@ -20,11 +20,11 @@ blocks it holds for the model's tensors do not split around them. Measured (H100
 run after PEFT's steps in one process, two alternating rounds): 100.8 / 100.0 ms with it, 105.5 /
 102.6 ms without, 224 graphs captured either way (``e2e-liger-pool-*``). A key seen once or
 twice (addresses that never repeat) costs a dict entry, kept for two generations of
-``_GENERATION`` new keys: a loop's key that recurs within that many other keys is recognised
-however many keys a step has, and keys that never recur are forgotten. A capture that fails turns
-graphs off for the process, warned once, and the call launches normally. At ``_CAPACITY`` graphs, those kept
-are dropped and capturing starts over if they paid off and a key's capture was refused twice with
-no replay in between, else new keys launch.
+``_GENERATION`` new keys: a key that recurs within that many other keys is recognised, one that
+never recurs is forgotten. A capture that fails turns graphs off for the process, warned once,
+and the call launches normally. At ``_CAPACITY`` graphs, those kept are dropped and capturing
+starts over if they paid off and a key's capture was refused twice with no replay in between,
+else new keys launch.
 
 ``usable`` says where replays are safe: a CUDA tensor on the current device, the current stream
 the legacy default one (no user stream, no stream capture of the user's under way: theirs would
