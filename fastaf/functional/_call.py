@@ -325,7 +325,10 @@ class _LoRAMode(TorchFunctionMode):
             ids = check_rows(self.ids, x.shape[0], route.path, flattened=flattened)
             return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                      impl=self.impl, where=route.path)
-        if route.siblings and self.groups is not None and _group.GROUP and SHARE_INPUT != "always":
+        # not in a block compiled inside an eager call (FSDP2 recipes): the groups' bookkeeping
+        # (weak references, version counters) breaks dynamo's graph there, and grouping is eager-only
+        if route.siblings and self.groups is not None and _group.GROUP and SHARE_INPUT != "always" \
+                and not torch.compiler.is_compiling():
             y = self.groups.take(route, x, weight, bias)
             if y is None:
                 y = routed_lora_linear(x, weight, bias, route.lora, self.impl, route.module.training, route.path)

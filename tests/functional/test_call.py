@@ -335,6 +335,32 @@ def test_a_tied_embedding_keeps_the_base_weight_under_compile_too():
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(ad), f(ad))
 
 
+def test_blocks_compiled_inside_an_eager_call_have_no_graph_break():
+    """FSDP2 recipes compile each block and call the model eagerly: the eager call's sibling
+    grouping (weak references, version counters) stays out of the blocks' traces, which once broke
+    each block's graph 8 times; the blocks' outputs and gradients equal the eager call's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    base = tiny_llama(layers=1)
+    ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    ids = token_batch()
+    leaves, spec = pytree.tree_flatten(ad)
+
+    def grads_and_loss():
+        ls = [t.detach().clone().requires_grad_() for t in leaves]
+        loss = fa.functional_call(base, pytree.tree_unflatten(ls, spec), (ids,), {"labels": ids}).loss
+        return torch.autograd.grad(loss, ls), loss.detach()
+
+    want = [grads_and_loss() for _ in range(2)]  # the second call: the groups learned by the first
+    counter = CompileCounterWithBackend("aot_eager")
+    base.model.layers[0].compile(backend=counter)
+    torch._dynamo.utils.counters.clear()
+    got = [grads_and_loss() for _ in range(2)]
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {} and counter.frame_count == 1
+    for (g, loss), (w, want_loss) in zip(got, want):
+        assert rel_err(loss, want_loss) < RTOL and all(rel_err(a, b) < RTOL for a, b in zip(g, w))
+
+
 def test_falcon_linear_is_adapted_under_compile():
     """FalconLinear computes ``x @ self.weight.T``; dynamo takes ``.T`` without calling the mode,
     so the traced rule finds the weight by the view's base: a compiled call (and autograd through
