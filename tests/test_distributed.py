@@ -4,7 +4,8 @@ training on the global batch; a call traced whole over FSDP2 modules, and torch.
 the per-op path, are clear errors; only rank 0 writes files, every rank reads them. The same
 cases on NCCL, one GPU per rank (marker `gpu`, 2 GPUs).
 
-One spawn runs every case (each process start imports torch and transformers: seconds on CI).
+One start runs every case. The ranks are forked from the test's process: a spawned one imports
+torch, transformers and dynamo again, a minute on CI's 2 cores.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _batches(device: torch.device | str = "cpu"):
 
 
 def _model(device: torch.device | str) -> torch.nn.Module:
-    return tiny_llama().to(device)
+    """One decoder layer: FSDP2 shards it and the root; dynamo compiles each block, slowly on CI."""
+    return tiny_llama(layers=1).to(device)
 
 
 def _to(tree, device: torch.device | str):
@@ -85,16 +87,16 @@ def _sharded(device: torch.device, compiled: bool = False) -> torch.nn.Module:
 
 def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
     """Every case on this rank; ``backend`` "nccl": on GPU ``rank``, else gloo on the CPU."""
+    torch.set_num_threads(1)  # before any op: a forked child must not enter the parent's OpenMP pool
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=WORLD, device_id=device if device.type == "cuda" else None)
-    torch.set_num_threads(1)
     results = {}
     local = [ids[rank::WORLD] for ids in _batches(device)]
     # every rank starts from rank 0's adapter, whatever its own seed
-    adapter = fa.distributed.broadcast_adapter(_to(random_adapter(tiny_llama(), TARGETS, seed=10 + rank), device))
+    adapter = fa.distributed.broadcast_adapter(_to(random_adapter(_model("cpu"), TARGETS, seed=10 + rank), device))
     results["start"] = adapter
     reduce = fa.distributed.all_reduce_grads
     results["ddp-func"] = _train(_model(device), adapter, local, _func_grad, reduce)
@@ -111,7 +113,10 @@ def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
         _below_grad.ENABLED = True
     # compiled as FSDP2 recipes compile: each block after fully_shard, the call itself eager
     # (aot_eager: Inductor's CPU codegen adds a minute on CI's 2 cores)
+    torch._dynamo.utils.counters.clear()
     results["fsdp2-compiled-autograd"] = _train(_sharded(device, compiled=True), adapter, local, _autograd_grad, reduce)
+    # the eager call's sibling grouping stays out of the compiled blocks (it broke each in 8 places)
+    results["graph-breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     # torch.func's backward keeps the graph (a vjp_fn may run twice): AOTAutograd's donated buffers
     # refuse that, so blocks differentiated by torch.func are compiled without them
     with torch._functorch.config.patch(donated_buffer=False):
@@ -127,6 +132,12 @@ def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
     results = _to(results, "cpu")
     torch.save(results, os.path.join(folder, f"results{rank}.pt"))
     dist.destroy_process_group()
+
+
+def start_ranks(worker, *args, fork: bool = True) -> None:
+    """``worker(rank, *args)`` in WORLD processes, forked (CPU) or spawned (CUDA: a forked child
+    cannot initialise CUDA); raises if any rank fails."""
+    mp.start_processes(worker, args=args, nprocs=WORLD, start_method="fork" if fork else "spawn")
 
 
 def _free_port() -> int:
@@ -147,13 +158,14 @@ def _check_ranks(folder, device: torch.device) -> None:
     """Every rank's cases against one process training on the global batch on ``device``."""
     ranks = [torch.load(folder / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
     torch.set_num_threads(1)
-    start = random_adapter(tiny_llama(), TARGETS, seed=10)
+    start = random_adapter(_model("cpu"), TARGETS, seed=10)
     _assert_close(ranks[1]["start"], start, "broadcast gives rank 0's adapter")
     reference = _to(_train(_model(device), _to(start, device), _batches(device), _func_grad), "cpu")  # global batch
     for case in ("ddp-func", "fsdp2-autograd", "fsdp2-func", "fsdp2-compiled-autograd", "fsdp2-compiled-func"):
         for r in range(WORLD):
             _assert_close(ranks[r][case], reference, f"{case} on rank {r}")
     for r in range(WORLD):
+        assert ranks[r]["graph-breaks"] == {}, ranks[r]["graph-breaks"]
         assert "FSDP2" in ranks[r]["fsdp2-func-error"] and "autograd" in ranks[r]["fsdp2-func-error"]
         assert "model.layers.0.self_attn.q_proj" in ranks[r]["fsdp2-traced-error"]
         assert "compile each block" in ranks[r]["fsdp2-traced-error"]
@@ -164,7 +176,7 @@ def _check_ranks(folder, device: torch.device) -> None:
 
 def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    start_ranks(_worker, _free_port(), str(tmp_path))
     _check_ranks(tmp_path, torch.device("cpu"))
 
 
@@ -172,7 +184,7 @@ def test_fsdp2_and_data_parallel_match_one_process(tmp_path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
 def test_gpu_nccl_ranks_match_one_process(tmp_path):
     """The same cases on NCCL, one GPU per rank, fp32 (tiny shapes: cuBLAS, no atomics)."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "nccl"), nprocs=WORLD)
+    start_ranks(_worker, _free_port(), str(tmp_path), "nccl", fork=False)
     _check_ranks(tmp_path, torch.device("cuda", 0))
 
 

@@ -10,7 +10,7 @@ plugin, and ``Trainer`` silently trains with DDP. ``_fsdp_on_cpu`` gives the sta
 ``fsdp2_prepare_model`` (``fully_shard`` per decoder layer, the embeddings, the tail, the root,
 which holds the adapters), activation checkpointing, the optimizer over the sharded Parameters,
 FSDP2's gradient reduce-scatter and clipping. ``examples/train_trainer_fsdp.py`` runs the same on
-GPUs without it. One spawn runs every case (~15 s on 2 cores).
+GPUs without it. One start runs every case (forked: ``tests.test_distributed.start_ranks``).
 """
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
 from tests._models import tiny_llama, token_batch
-from tests.test_distributed import _free_port
+from tests.test_distributed import _free_port, start_ranks
 
 WORLD, STEPS, BATCH = 2, 4, 4  # BATCH: the global batch, split over the ranks
 CONFIG = fa.LoRAConfig(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])
@@ -38,6 +37,8 @@ def _fsdp_on_cpu() -> None:
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
+    # a forked rank inherits the parent's singleton state (a Trainer may have run there): start afresh
+    AcceleratorState._reset_state(reset_partial_state=True)
     init = AcceleratorState.__init__
 
     def fsdp_init(self, *args, fsdp_plugin=None, **kwargs):
@@ -70,9 +71,9 @@ def _losses(trainer: Trainer) -> list[float]:
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)  # before any op: a forked child must not enter the parent's OpenMP pool
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
     _fsdp_on_cpu()
     from torch.distributed.fsdp import FSDPModule
 
@@ -105,7 +106,7 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_trainer_fsdp2_trains_like_one_process_and_rank_0_saves_one_adapter(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, also where GPUs are (fewer than ranks)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    start_ranks(_worker, _free_port(), str(tmp_path))
     ranks = [torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(WORLD)]
     reference = _train(str(tmp_path / "reference"), BATCH)  # one process, the global batch
     expected = reference.model.get_adapter("sql")
