@@ -40,9 +40,9 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 
     return _seeded(LlamaForCausalLM, LlamaConfig(**{**_DECODER, "num_hidden_layers": layers}), seed, dtype)
 
 
-def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> Qwen2ForCausalLM:
     """Qwen2 has a bias on q/k/v_proj."""
-    return _seeded(Qwen2ForCausalLM, Qwen2Config(**_DECODER), seed, dtype)
+    return _seeded(Qwen2ForCausalLM, Qwen2Config(**{**_DECODER, "num_hidden_layers": layers}), seed, dtype)
 
 
 def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> GPT2LMHeadModel:

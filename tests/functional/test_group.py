@@ -94,7 +94,8 @@ def _assert_same(got, want, bf16: bool = False):
 def test_llama_groups_qkv_and_gate_up_and_equals_each_layer_alone(counted, device):
     """On the GPU in bf16 with launch graphs: the grouped steps replay like the single ones."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = tiny_llama(dtype=dtype).to(device).requires_grad_(False)
+    # one layer on the CPU: the interpreter runs each slowly on CI
+    model = tiny_llama(dtype=dtype, layers=1 if device == "cpu" else 2).to(device).requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     adapter = fa.Adapter({p: fa.LoRA(l.A.to(device), l.B.to(device), l.scale) for p, l in adapter.items()})
     ids = token_batch().to(device)
@@ -207,7 +208,7 @@ def test_gradient_checkpointing_recomputes_what_the_forward_ran(counted):
     the call) must not group yet: a recompute that ran other ops raises a CheckpointError."""
     from fastaf.functional import checkpoint_context
 
-    model = tiny_llama().requires_grad_(False)
+    model = tiny_llama(layers=1).requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     want = _steps(model, adapter, (token_batch(),), group=False, steps=1)
     model.train()
@@ -288,7 +289,7 @@ def test_deterministic_mode_never_groups_and_a_grouped_backward_turns_to_the_ref
     forms (the forward runs, each sibling alone, even with impl="triton" forced). A group formed
     before the mode was turned on alerts in its backward for the forced impl: strict, it raises;
     warn_only, it warns and computes the same gradients as each layer alone."""
-    model = tiny_llama().requires_grad_(False)
+    model = tiny_llama(layers=1).requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     ids = token_batch()
     want = _steps(model, adapter, (ids,), group=False, steps=1)
@@ -318,7 +319,7 @@ def test_a_group_formed_under_auto_runs_its_backward_on_the_reference_in_determi
     """impl="auto" (grouped as on a GPU where the dispatch takes the Triton kernels: forced here on
     the CPU), deterministic mode turned on between the forward and the backward: no alert, the
     reference's ops instead of the group's kernels, the same gradients as each layer alone."""
-    model = tiny_llama().requires_grad_(False)
+    model = tiny_llama(layers=1).requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     ids = token_batch()
     want = _steps(model, adapter, (ids,), group=False, steps=1)
