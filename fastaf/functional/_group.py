@@ -185,7 +185,8 @@ class Groups:
         return ys[0]
 
     def _groupable(self, members: list, x: Tensor, weights: list, biases: list) -> bool:
-        if torch.compiler.is_compiling() or x.dim() < 2 or x.numel() == 0 or torch.is_autocast_enabled(x.device.type):
+        # never under compile: the caller (_call._LoRAMode._apply) groups only eager calls
+        if x.dim() < 2 or x.numel() == 0 or torch.is_autocast_enabled(x.device.type):
             return False
         loras = [m.lora for m in members]
         if any(m.lora.stacked or m.lora.experts or (m.module.training and m.lora.dropout) for m in members):
