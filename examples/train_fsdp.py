@@ -49,7 +49,11 @@ def main() -> None:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    model.config.use_cache = False  # training: a KV cache would make each block guard on its own cache layer
     if args.compile:  # per block, as FSDP2 recipes compile: FSDP2's hooks stay outside the graphs
+        # under functional_call each block compiles its own graph (it reads its own layer's factors):
+        # dynamo's recompile_limit must cover the layers, or those past it run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.model.layers))
         for layer in model.model.layers:
             layer.compile()
 

@@ -361,6 +361,28 @@ def test_blocks_compiled_inside_an_eager_call_have_no_graph_break():
         assert rel_err(loss, want_loss) < RTOL and all(rel_err(a, b) < RTOL for a, b in zip(g, w))
 
 
+def test_more_compiled_blocks_than_the_recompile_limit_warn_once():
+    """Under the call each compiled block compiles its own graph (it reads its own layer's
+    factors): past dynamo's recompile_limit the rest would run eagerly, unsaid. The warning names
+    the block class, their count and the setting; at a limit that covers them, none."""
+    base = tiny_llama(layers=2)
+    ad = random_adapter(base, ["q_proj", "v_proj"])
+    ids = token_batch()
+    for layer in base.model.layers:
+        layer.compile(backend="eager")
+    # force_eager: the blocks run uncompiled, the check looks only at which modules are compiled
+    with torch.compiler.set_stance("force_eager"):
+        with torch._dynamo.config.patch(recompile_limit=1):
+            with pytest.warns(UserWarning, match=r"2 compiled LlamaDecoderLayer blocks.*recompile_limit = 2"):
+                fa.functional_call(base, ad, (ids,))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                fa.functional_call(base, ad, (ids,))  # once
+        with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fa.functional_call(base, ad, (ids,))
+
+
 def test_falcon_linear_is_adapted_under_compile():
     """FalconLinear computes ``x @ self.weight.T``; dynamo takes ``.T`` without calling the mode,
     so the traced rule finds the weight by the view's base: a compiled call (and autograd through
