@@ -52,7 +52,7 @@ from . import _carrier, _group
 from . import _rules as rules
 from ._below_grad import call_below, grad_level
 from ._lora_linear import IMPLS, routed_lora_linear
-from ._modules import LinearSpec, ParamSpec, fold_linear, fold_param, linear_spec, param_spec
+from ._modules import LinearSpec, ParamSpec, compiled_class, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
 
@@ -776,14 +776,12 @@ def _warn_recompile_limit(model: nn.Module, routes: list[_Route]) -> None:
     ``diag-compiled-blocks-s33-current-*``): 143.3 ms a step at the default limit of 8, 127.5 ms
     with 16.
     """
-    compiled = torch._dynamo.eval_frame.OptimizedModule
     targeted = {id(r.module) for r in routes}
     blocks: dict[type, int] = {}
     for m in model.modules():
-        if isinstance(m, compiled) or getattr(m, "_compiled_call_impl", None) is not None:
-            if any(id(s) in targeted for s in m.modules()):
-                cls = type(m._orig_mod) if isinstance(m, compiled) else type(m)
-                blocks[cls] = blocks.get(cls, 0) + 1
+        cls = compiled_class(m)
+        if cls is not None and any(id(s) in targeted for s in m.modules()):
+            blocks[cls] = blocks.get(cls, 0) + 1
     limit = torch._dynamo.config.recompile_limit
     for cls, n in blocks.items():
         if n > limit and (cls.__qualname__, n, limit) not in _warned_limits:

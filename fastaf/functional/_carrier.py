@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _rules as rules
+from ._modules import compiled_class
 
 if TYPE_CHECKING:
     from ._call import _LoRAMode, _Route
@@ -201,8 +202,7 @@ def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | N
         return False
     # a pre-forward hook may swap a weight in (FSDP2 registers its unsharded one; a carrier swapped
     # out would lose the adapter, which the mode follows); a compiled module would trace a carrier
-    return not any(m._forward_pre_hooks or isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
-                   or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return not any(m._forward_pre_hooks or compiled_class(m) is not None for m in model.modules())
 
 
 class carried:

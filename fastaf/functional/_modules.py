@@ -201,3 +201,10 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
     return ordered
 
 
+def compiled_class(module: nn.Module) -> type | None:
+    """The class whose forward dynamo compiles for ``module``: the wrapped module's for
+    ``torch.compile(m)`` (an ``OptimizedModule``), its own for ``m.compile()``; None when the
+    module is not compiled."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return type(module._orig_mod)
+    return type(module) if getattr(module, "_compiled_call_impl", None) is not None else None

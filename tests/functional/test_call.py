@@ -362,7 +362,8 @@ def test_blocks_compiled_inside_an_eager_call_have_no_graph_break():
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {} and counter.frame_count == 1
     # every linear of the block targeted: it finds each weight through its own module's hook, and
     # its guards index no route of the mode (a scan guards on every route it passes, checked at
-    # each call: ~4 ms a step of the H100's 16-layer model; an untargeted linear still scans)
+    # each call: on the H100's 16-layer model, 12.2 ms of cache lookups a step before, 8.5 after;
+    # an untargeted linear still scans)
     (entry,) = torch._dynamo.eval_frame._debug_get_cache_entry_list(type(base.model.layers[0]).forward.__code__)
     assert "routes[" not in str(entry.guard_manager)
     for (g, loss), (w, want_loss) in zip(got, want):
