@@ -105,6 +105,10 @@ _IN_PLACE = frozenset(
     [getattr(_TensorBase, n) for n in dir(_TensorBase) if n.endswith("_") and not n.startswith("_")]
     + [_TensorBase.__setitem__]
 )
+# calls a rule of the mode takes (or watches, for the siblings' input), before the fold's scan
+_RULED = frozenset(_IN_PLACE | rules.TRANSPOSES | rules.TRANSPOSE_DIMS | rules.MATMULS | {F.linear, torch.addmm})
+# arguments that may be, or hold, a routed weight when the mode is lean (linear routes on parameters)
+_MAY_HOLD = (nn.Parameter, list, tuple)
 
 
 class _LoRAMode(TorchFunctionMode):
@@ -122,6 +126,10 @@ class _LoRAMode(TorchFunctionMode):
         self.traced = torch.compiler.is_compiling()
         # a routed linear weight that is no nn.Parameter (params=): traced folds scan every call
         self.plain_weights = any(not isinstance(r.weight, nn.Parameter) for r in self.routes.values())
+        # made inside a trace with linear routes on parameters alone: dynamo traces this mode's
+        # Python for every op of the model at compile time, so an op no rule takes goes the short
+        # way (__torch_function__)
+        self.lean = self.traced and len(self.routes) > 0 and not self.params and not self.plain_weights
         self.impl = impl
         self.grad = torch.is_grad_enabled()  # the call's grad mode: a use with grad off inside it is gradless
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
@@ -165,13 +173,15 @@ class _LoRAMode(TorchFunctionMode):
         if current is not None and routes is self.routes and current.weight is weight:
             return current
         if torch.compiler.is_compiling():
+            if self.traced and not self.plain_weights and isinstance(weight, nn.Parameter):
+                # dynamo gives a parameter's id (a graph input's, not a tensor made inside)
+                route = routes.get(id(weight))
+                return route if route is not None and route.weight is weight else None
             if not self.traced and not self.plain_weights and not isinstance(weight, nn.Parameter):
                 # a block compiled inside an eager call routes parameters only (FSDP2's unsharded
                 # weights are parameters too): an activation's transpose is no weight, unscanned
                 return None
-            # dynamo (torch 2.11) cannot id() a tensor made inside the graph: compare identities,
-            # which it folds while tracing (in such a block, a guard on each route it passes)
-            return next((r for r in routes.values() if r.weight is weight), None)
+            return _scan(routes, weight)
         route = routes.get(id(weight))
         return route if route is not None and route.weight is weight else None
 
@@ -255,7 +265,8 @@ class _LoRAMode(TorchFunctionMode):
         route = self._route(base)
         if route is None and torch._C._functorch.peek_interpreter_stack() is not None:
             level = pyfunctorch.retrieve_current_functorch_interpreter().level()  # dynamo traces these two
-            route = self._route(torch._C._functorch._unwrap_for_grad(base, level))
+            # the unwrapped weight is made in the graph, whose id dynamo does not give
+            route = _scan(self.routes, torch._C._functorch._unwrap_for_grad(base, level))
         return route
 
     def _as_kn(self, t: Any) -> tuple[_Route, Tensor] | tuple[None, None]:
@@ -270,6 +281,14 @@ class _LoRAMode(TorchFunctionMode):
         return None, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.lean and func not in _RULED and not self.views:
+            # no rule takes func, and only a parameter (or a list of them) can be a routed weight
+            # here: the fold's scan runs only for a call that receives one
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            for a in (*args, *kwargs.values()) if kwargs else args:  # inline: dynamo inlines each call
+                if isinstance(a, _MAY_HOLD) and self._holds_routed((a,)):
+                    return self._fold(func, args, kwargs or {}, out)
+            return out
         kwargs = kwargs or {}
         if self.shared is not None and func in _IN_PLACE and args and args[0] is self.shared[0]:
             self.shared = None  # the siblings' input changes: their h no longer holds
@@ -299,8 +318,12 @@ class _LoRAMode(TorchFunctionMode):
                 # Conv1D stores W as (in, out): W.T is the (N, K) view lora_linear takes.
                 return self._apply(route, parts[1], route.weight.t(), parts[0], flattened=True)
         out = func(*args, **kwargs)
-        if isinstance(out, Tensor) and self._may_fold(args, kwargs) and rules.foldable(func, args, out):
-            # a use no rule fuses (einsum, W @ x, W.to(...)): computed again on W + ΔW, exact
+        return self._fold(func, args, kwargs, out) if self._may_fold(args, kwargs) else out
+
+    def _fold(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
+        """``out`` of ``func(*args, **kwargs)``, or, where a routed weight is among the arguments of
+        a use no rule fuses (einsum, W @ x, W.to(...)), the call again on W + ΔW (exact)."""
+        if isinstance(out, Tensor) and rules.foldable(func, args, out):
             swapped = rules.substitute(args, kwargs, lambda t: self._folded_linear(t, func))
             if swapped is not None:
                 return func(*swapped[0], **swapped[1])
@@ -319,13 +342,24 @@ class _LoRAMode(TorchFunctionMode):
         if not self.traced:
             return False
         if not self.routes or self.plain_weights:
-            return bool(self.routes)
-        for a in (*args, *kwargs.values()):
-            if type(a) in (list, tuple):
-                if self._may_fold(a, {}):
-                    return True
-            elif isinstance(a, nn.Parameter) or (self.views and isinstance(a, Tensor) and self._view(a) is not None):
-                return True
+            return len(self.routes) > 0  # torch 2.11's dynamo cannot bool() a dict
+        if self._holds_routed(args) or kwargs and self._holds_routed(kwargs.values()):
+            return True
+        if self.views:  # a transposed view of a routed weight, made in this call
+            for a in (*args, *kwargs.values()):
+                for t in (a if type(a) in (list, tuple) else (a,)):
+                    if isinstance(t, Tensor) and self._view(t) is not None:
+                        return True
+        return False
+
+    def _holds_routed(self, items: Any) -> bool:
+        """Traced, the routed weights parameters: whether one of ``items`` (or of a list or tuple
+        among them) is a routed weight. Dynamo gives a parameter's id, a graph input's."""
+        for a in items:
+            if isinstance(a, _MAY_HOLD):  # one test per argument: dynamo traces this for every op
+                for t in (a,) if isinstance(a, nn.Parameter) else a:
+                    if isinstance(t, nn.Parameter) and id(t) in self.routes:
+                        return True
         return False
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -378,6 +412,13 @@ class _LoRAMode(TorchFunctionMode):
 
 
 _warned_folds: set[tuple[str, str]] = set()
+
+
+def _scan(routes: dict[int, _Route], weight: Any) -> _Route | None:
+    """Traced: the route whose weight is ``weight``. Dynamo (torch 2.11) cannot id() a tensor made
+    inside the graph: compare identities, which it folds while tracing (in a block compiled inside
+    an eager call, a guard on each route it passes)."""
+    return next((r for r in routes.values() if r.weight is weight), None)
 
 
 def _check_foldable(route: _Route, use: Any) -> None:
