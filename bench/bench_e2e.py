@@ -42,7 +42,8 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   globally, so it runs in a process of its own.
 The first step of every provider is checked: its loss equals the base model's (B starts at 0);
 its loss after timing is recorded (``loss_last``) and a non-finite one fails the run, since its
-timing measured a broken step.
+timing measured a broken step. The first step's wall time is recorded too (``first_step_s``):
+for a compiled provider, its compile time.
 Writes bench/results/e2e-<gpu>.json with each provider's step time and its ratio to base.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ import argparse
 import copy
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -329,7 +331,9 @@ def main() -> None:
         step = makers[name.removesuffix(suffix) if suffix else name](model, ids)
         step = _flagged(step, *SUFFIXES[suffix]) if suffix else step
         graphs0 = (_graphs.GRAPHS.captures, _graphs.GRAPHS.replays)
+        t0 = time.perf_counter()
         first = step().item()  # B = 0: every LoRA provider's first loss is the base loss
+        first_s = round(time.perf_counter() - t0, 2)  # a compiled provider's compile time
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 1e-2 * abs(base_loss):
             raise SystemExit(f"{name}: first-step loss {first:.4f} != base {base_loss:.4f}")
@@ -344,10 +348,10 @@ def main() -> None:
         graphs = [_graphs.GRAPHS.captures - graphs0[0], _graphs.GRAPHS.replays - graphs0[1]]
         rows.append({"bench": "e2e", "model": "llama-3.2-1b-shape" if not args.tiny else "tiny", "tokens": batch * seq,
                      "r": 16, "dtype": "bfloat16", "mode": "train_step", "provider": name, **t, "loss0": first,
-                     "max_mem_gib": round(mem, 2), "graphs": graphs})
+                     "max_mem_gib": round(mem, 2), "graphs": graphs, "first_step_s": first_s})
         if t:
             print(f"{name:12s} {t['ms']:8.2f} ms  (p20 {t['p20']:.2f}, p80 {t['p80']:.2f})  loss0 {first:.4f}"
-                  f"  graphs: {graphs[0]} captured, {graphs[1]} replays", flush=True)
+                  f"  graphs: {graphs[0]} captured, {graphs[1]} replays  first step {first_s:.1f} s", flush=True)
         if args.interleave:  # its graphs are counted over the timed steps too (not over --profile's)
             steps[name] = _counted(step, graphs)
         if args.interleave or name in args.profile.split(","):
