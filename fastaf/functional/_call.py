@@ -107,8 +107,6 @@ _IN_PLACE = frozenset(
 )
 # calls a rule of the mode takes (or watches, for the siblings' input), before the fold's scan
 _RULED = frozenset(_IN_PLACE | rules.TRANSPOSES | rules.TRANSPOSE_DIMS | rules.MATMULS | {F.linear, torch.addmm})
-# arguments that may be, or hold, a routed weight when the mode is lean (linear routes on parameters)
-_MAY_HOLD = (nn.Parameter, list, tuple)
 
 
 class _LoRAMode(TorchFunctionMode):
@@ -282,12 +280,11 @@ class _LoRAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.lean and func not in _RULED and not self.views:
-            # no rule takes func, and only a parameter (or a list of them) can be a routed weight
-            # here: the fold's scan runs only for a call that receives one
+            # no rule takes func: the fold's checks run only for a call that may receive a routed
+            # weight (_holds_routed)
             out = func(*args, **kwargs) if kwargs else func(*args)
-            for a in (*args, *kwargs.values()) if kwargs else args:  # inline: dynamo inlines each call
-                if isinstance(a, _MAY_HOLD) and self._holds_routed((a,)):
-                    return self._fold(func, args, kwargs or {}, out)
+            if self._holds_routed(args) or kwargs and self._holds_routed(kwargs.values()):
+                return self._fold(func, args, kwargs or {}, out)
             return out
         kwargs = kwargs or {}
         if self.shared is not None and func in _IN_PLACE and args and args[0] is self.shared[0]:
@@ -332,8 +329,9 @@ class _LoRAMode(TorchFunctionMode):
     def _may_fold(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call's arguments may hold a routed weight, for the fold's scan. Traced, the
         scan would otherwise compare every tensor of every op with every route at compile time:
-        only a parameter, or a transposed view made in the call, can be one (a weight given as a
-        plain tensor, through ``params=``, turns the filter off). Eagerly, any call while routes
+        only a routed parameter, or a transposed view of one (recorded in the call, or made by
+        dynamo unseen: ``_holds_routed``), can be one (a weight given as a plain tensor, through
+        ``params=``, turns the filter off). Eagerly, any call while routes
         exist (the lookup is by id). Not in blocks compiled inside an eager call (FSDP2 recipes):
         there the mode was made outside the trace, and dynamo reading its routes breaks on the
         weights FSDP2's hook keys in; such a use stays the base weight's there."""
@@ -354,12 +352,19 @@ class _LoRAMode(TorchFunctionMode):
 
     def _holds_routed(self, items: Any) -> bool:
         """Traced, the routed weights parameters: whether one of ``items`` (or of a list or tuple
-        among them) is a routed weight. Dynamo gives a parameter's id, a graph input's."""
+        among them) is a routed weight (dynamo gives a parameter's id, a graph input's), or may be
+        a transposed view of one that dynamo made without calling the mode (``W.T``: a 2-D view of
+        a 2-D tensor, which the fold's ``_transposed_base`` then identifies). Dynamo traces this for
+        every op of the model, so it tests as little as it can per argument."""
         for a in items:
-            if isinstance(a, _MAY_HOLD):  # one test per argument: dynamo traces this for every op
-                for t in (a,) if isinstance(a, nn.Parameter) else a:
-                    if isinstance(t, nn.Parameter) and id(t) in self.routes:
+            if isinstance(a, Tensor):
+                if isinstance(a, nn.Parameter):
+                    if id(a) in self.routes:
                         return True
+                elif a.dim() == 2 and a._base is not None and a._base.dim() == 2:
+                    return True
+            elif type(a) in (list, tuple) and self._holds_routed(a):
+                return True
         return False
 
     def _apply(self, route: _Route, x: Tensor, weight: Tensor, bias: Tensor | None, *,

@@ -310,11 +310,21 @@ def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, 
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("inner", ["linear", "conv1d"])
+class _EinsumTransposed(torch.nn.Linear):
+    """einsum over ``W.T``, which dynamo makes without calling the mode, and no other parameter
+    among einsum's arguments."""
+
+    def forward(self, x):
+        return torch.einsum("...k,kn->...n", x, self.weight.T) + self.bias
+
+
+@pytest.mark.parametrize("inner", ["linear", "conv1d", "linear-wt"])
 def test_a_use_no_rule_fuses_is_folded_under_compile_too(inner):
     """torch.compile(grad_and_value) with fullgraph: the einsum use computes with W + ΔW (it once
     stayed the base weight's there, silently), values and gradients as the merged model's."""
-    model = _Tiny(_EinsumLinear(6, 5) if inner == "linear" else _einsum_conv1d(5, 6))
+    layers = {"linear": lambda: _EinsumLinear(6, 5), "conv1d": lambda: _einsum_conv1d(5, 6),
+              "linear-wt": lambda: _EinsumTransposed(6, 5)}
+    model = _Tiny(layers[inner]())
     x = torch.randn(3, 6)
     ad = random_adapter(model, ["inner", "plain"])
 
