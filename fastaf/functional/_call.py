@@ -170,11 +170,10 @@ class _LoRAMode(TorchFunctionMode):
         current = self.current
         if current is not None and routes is self.routes and current.weight is weight:
             return current
-        if torch.compiler.is_compiling():
-            if self.traced and not self.plain_weights and isinstance(weight, nn.Parameter):
-                # dynamo gives a parameter's id (a graph input's, not a tensor made inside)
-                route = routes.get(id(weight))
-                return route if route is not None and route.weight is weight else None
+        # traced, dynamo gives a parameter's id (a graph input's, not a tensor made inside): the
+        # lookup below; any other traced weight is scanned
+        if torch.compiler.is_compiling() and not (
+                self.traced and not self.plain_weights and isinstance(weight, nn.Parameter)):
             if not self.traced and not self.plain_weights and not isinstance(weight, nn.Parameter):
                 # a block compiled inside an eager call routes parameters only (FSDP2's unsharded
                 # weights are parameters too): an activation's transpose is no weight, unscanned
