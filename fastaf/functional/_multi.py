@@ -28,7 +28,7 @@ from torch import Tensor
 from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import (IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
-                           _direct_ok, _functorch)
+                           _direct_ok, _functorch, _traced_apply)
 
 _VMAP = _functorch.TransformType.Vmap
 
@@ -234,6 +234,7 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
 
 
 _multi_direct_apply = _LoRAMultiDirect.apply  # the C apply
+_multi_fn_apply = _traced_apply(_LoRAMultiFn)
 
 
 # ---- 4. the public function --------------------------------------------------------------------
@@ -281,5 +282,5 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     if level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
     else:
-        y = _LoRAMultiFn.apply(*args)[0]
+        y = _multi_fn_apply(*args)[0]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
-                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _nested_traced, _unflatten,
-                           _use_triton, _vjp_weight_bias)
+                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _nested_traced,
+                           _traced_apply, _unflatten, _use_triton, _vjp_weight_bias)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -259,6 +259,8 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
 
 _shared_direct_apply = _SharedHDirect.apply
 _given_direct_apply = _GivenHDirect.apply
+_shared_fn_apply = _traced_apply(_SharedHFn)
+_given_fn_apply = _traced_apply(_GivenHFn)
 
 
 # ---- 4. entry points (functional_call's) ---------------------------------------------------------
@@ -290,7 +292,7 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
         return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
     # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
     # stack sits outside the Function, which dynamo traces with a fixed signature.
-    return _SharedHFn.apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
+    return _shared_fn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
 
 
 def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, lora: LoRA, *,
@@ -306,5 +308,5 @@ def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Te
     level = _direct_level(x, weight, bias, h, lora.A, lora.B)
     if level >= 0:
         return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
-    y = _GivenHFn.apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
+    y = _given_fn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
     return y.reshape(*x.shape[:-1], weight.shape[0])

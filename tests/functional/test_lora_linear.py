@@ -149,6 +149,10 @@ def test_compile_fullgraph_matches_eager_without_graph_breaks():
 
     explained = torch._dynamo.explain(f)(x, lo)
     assert explained.graph_break_count == 0, explained.break_reasons
+    # the autograd.Function is one opaque call in dynamo's graph (no speculated forward/backward
+    # subgraphs: the compile-time cost it replaced), which AOTAutograd traces
+    calls = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("_LoRALinearFn_apply" in c for c in calls) and not any("autograd_function_apply" in c for c in calls), calls
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, lo), f(x, lo))
     g = torch.compile(torch.func.grad(lambda lo: f(x, lo).sum()), fullgraph=True, backend="aot_eager")(lo)
