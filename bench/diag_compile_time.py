@@ -4,8 +4,10 @@
 
 Dynamo traces a TorchFunctionMode's Python for every op of the model (and, before each adapted
 layer's autograd.Function became one opaque call to it, the Function's forward and backward), so
-fastaf's compile costs more than the frozen model's. This times the first call of each step under ``backend="eager"`` (dynamo alone) and
-``"aot_eager"`` (dynamo and AOTAutograd; Inductor's codegen and its caches stay out of it) on
+fastaf's compile costs more than the frozen model's. This times the first call of each step under
+``backend="eager"`` (dynamo alone: since the Functions are opaque to dynamo, their tracing moved
+to AOTAutograd, so compare builds across that change with ``aot_eager``) and ``"aot_eager"``
+(dynamo and AOTAutograd; Inductor's codegen and its caches stay out of it) on
 BENCH.md's Llama-3.2-1B shape, 16 layers, r=16 on all seven projections, one step of 2 x 1024:
 - base: the frozen model's forward + backward (``torch.compile(model)``'s step);
 - fastaf-func: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``;

@@ -366,9 +366,10 @@ def _layer_depth() -> int:
 def _nested_traced() -> bool:
     """Two or more functorch transforms (``vmap(grad)``, grad of grad) inside ``torch.compile``.
 
-    Dynamo turns an ``autograd.Function`` into a template that cannot be vmapped (pytorch#129845),
-    with or without a vmap rule, so there the op runs as its torch reference, which every
-    transform and Inductor handle. The depth is read as a trace-time constant (the interpreter
+    Dynamo turned an ``autograd.Function`` it traced into a template that cannot be vmapped
+    (pytorch#129845), with or without a vmap rule, so there the op runs as its torch reference,
+    which every transform and Inductor handle. (Found before the Functions became opaque to
+    dynamo, ``_traced_apply``; whether the kernels now run there is untested.) The depth is read as a trace-time constant (the interpreter
     stack queries are skipped functions to dynamo).
     """
     return torch.compiler.is_compiling() and _layer_depth() >= 2
@@ -464,7 +465,8 @@ def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
     compiled ``grad_and_value`` step took 45-46 s to trace before, 31-36 s after (dynamo and
     AOTAutograd; 58 s against 100 s with Inductor), with equal step times. Eagerly it is
     ``fn.apply`` behind one more Python call (the paths that reach a Function eagerly, vmap and
-    grad of grad, are not the host-bound ones).
+    grad of grad, are not the host-bound ones); under ``backend="eager"`` the call runs eagerly,
+    on the direct path.
     """
     def apply(*args: Any) -> Any:
         return fn.apply(*args)

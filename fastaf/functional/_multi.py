@@ -197,7 +197,8 @@ class _LoRAMultiFn(torch.autograd.Function):
         dw = dy.transpose(0, 1) @ x if needs[1] else None
         dbias = dy.sum(0) if needs[2] and ctx.has_bias else None
         # dA and dB unconditionally: under torch.compile, a stack that torch.func.grad wraps as a
-        # graph input reads as not requiring grad here, and a None would silently drop its gradient
+        # graph input read as not requiring grad here when dynamo traced this backward (before
+        # _traced_apply), and a None would silently drop its gradient
         return (dx if needs[0] else None), dw, dbias, da, db, None, None, None
 
 

@@ -220,7 +220,7 @@ class _GivenHFn(torch.autograd.Function):
                 dx, dh, db = op(dy, x, weight, a, b, h, ctx.scale, needs[0], ctx.impl)
         dw, dbias = _vjp_weight_bias(dy, x, needs[1], needs[2] and ctx.has_bias)
         # dh and dB unconditionally: under torch.compile a factor that torch.func.grad wraps as a
-        # graph input can read as not requiring grad here (see _LoRAMultiFn.backward)
+        # graph input once read as not requiring grad here (see _LoRAMultiFn.backward)
         return (dx if needs[0] else None), dw, dbias, dh, None, db, None, None
 
 
@@ -291,7 +291,7 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
     if level >= 0:
         return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
     # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
-    # stack sits outside the Function, which dynamo traces with a fixed signature.
+    # stack sits outside the Function, whose signature stays fixed whatever the sibling count.
     return _shared_fn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
 
 
