@@ -369,8 +369,8 @@ def _nested_traced() -> bool:
     Dynamo turned an ``autograd.Function`` it traced into a template that cannot be vmapped
     (pytorch#129845), with or without a vmap rule, so there the op runs as its torch reference,
     which every transform and Inductor handle. (Found before the Functions became opaque to
-    dynamo, ``_traced_apply``; whether the kernels now run there is untested.) The depth is read as a trace-time constant (the interpreter
-    stack queries are skipped functions to dynamo).
+    dynamo, ``_traced_apply``; whether the kernels now run there is untested.) The depth is read
+    as a trace-time constant (the interpreter stack queries are skipped functions to dynamo).
     """
     return torch.compiler.is_compiling() and _layer_depth() >= 2
 
