@@ -278,7 +278,7 @@ class _LoRAMode(TorchFunctionMode):
         return None, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.lean and func not in _RULED and not self.views:
+        if self.lean and func not in _RULED:
             # no rule takes func: the fold's checks run only for a call that may receive a routed
             # weight (_holds_routed)
             out = func(*args, **kwargs) if kwargs else func(*args)
@@ -340,14 +340,8 @@ class _LoRAMode(TorchFunctionMode):
             return False
         if not self.routes or self.plain_weights:
             return len(self.routes) > 0  # torch 2.11's dynamo cannot bool() a dict
-        if self._holds_routed(args) or kwargs and self._holds_routed(kwargs.values()):
-            return True
-        if self.views:  # a transposed view of a routed weight, made in this call
-            for a in (*args, *kwargs.values()):
-                for t in (a if type(a) in (list, tuple) else (a,)):
-                    if isinstance(t, Tensor) and self._view(t) is not None:
-                        return True
-        return False
+        # a transposed view recorded in this call is a 2-D view of a 2-D weight: _holds_routed's too
+        return self._holds_routed(args) or (len(kwargs) > 0 and self._holds_routed(kwargs.values()))
 
     def _holds_routed(self, items: Any) -> bool:
         """Traced, the routed weights parameters: whether one of ``items`` (or of a list or tuple
