@@ -356,23 +356,33 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _layer_depth() -> int:
-    """How many functorch transforms are active. Dynamo runs it once while tracing and keeps the
-    result as a constant: torch 2.13 folds the raw query itself, torch 2.11 refuses to trace it
-    (a skipped function), and the transforms of a traced function are fixed by its code."""
-    return _functorch.get_dynamic_layer_stack_depth()
+def _traced_levels() -> tuple[int, int]:
+    """(functorch transforms active, of which grad or jvp). Dynamo runs it once while tracing and
+    keeps the result as a constant: torch 2.11 refuses to trace the interpreter stack queries
+    (skipped functions), and the transforms of a traced function are fixed by its code."""
+    stack = _functorch.get_interpreter_stack() or ()
+    return len(stack), sum(i.key() in (_GRAD, _JVP) for i in stack)
 
 
-def _nested_traced() -> bool:
-    """Two or more functorch transforms (``vmap(grad)``, grad of grad) inside ``torch.compile``.
+def _higher_order_traced() -> bool:
+    """Two or more derivative levels (grad of grad, jvp of grad) inside ``torch.compile``.
 
-    Dynamo turned an ``autograd.Function`` it traced into a template that cannot be vmapped
-    (pytorch#129845), with or without a vmap rule, so there the op runs as its torch reference,
-    which every transform and Inductor handle. (Found before the Functions became opaque to
-    dynamo, ``_traced_apply``; whether the kernels now run there is untested.) The depth is read
-    as a trace-time constant (the interpreter stack queries are skipped functions to dynamo).
+    There the op runs as its torch reference: the Functions' backwards are not differentiable
+    under compile (``_differentiated`` cannot see the outer level there; compiled grad of grad
+    gave zero second derivatives on the Function), and the reference is plain torch that every
+    transform and Inductor handle. ``vmap(grad)`` keeps the Function and its vmap rule (opaque to
+    dynamo since ``_traced_apply``; before it, pytorch#129845 made dynamo's template of a traced
+    Function unvmappable, and this held for every two transforms).
     """
-    return torch.compiler.is_compiling() and _layer_depth() >= 2
+    return torch.compiler.is_compiling() and _traced_levels()[1] >= 2
+
+
+def _vmapped_traced() -> bool:
+    """A vmap level inside ``torch.compile``: siblings' shared-h Functions have no vmap rule."""
+    if not torch.compiler.is_compiling():
+        return False
+    depth, derivatives = _traced_levels()
+    return depth > derivatives
 
 
 def _differentiated(dy: Tensor) -> bool:
@@ -772,5 +782,5 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         seed,
         impl,
     )
-    y, _ = reference_fwd(*args[:-1]) if _nested_traced() else _fn_apply(*args)
+    y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else _fn_apply(*args)
     return y.reshape(*lead, weight.shape[0])

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
-                           _differentiated, _direct_level, _direct_ok, _functorch, _kernels, _nested_traced,
-                           _traced_apply, _unflatten, _use_triton, _vjp_weight_bias)
+                           _differentiated, _direct_level, _direct_ok, _functorch, _higher_order_traced, _kernels,
+                           _traced_apply, _unflatten, _use_triton, _vjp_weight_bias, _vmapped_traced)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -274,7 +274,9 @@ def shareable(x: object, loras: Sequence[LoRA]) -> bool:
     if any(l.stacked or l.experts or l.in_features != x.shape[-1] for l in loras):
         return False
     if torch.compiler.is_compiling():
-        return not _nested_traced()  # vmap(grad) traced: each layer is lora_linear's reference
+        # grad of grad: each layer is lora_linear's reference; vmap: the shared-h Functions have
+        # no vmap rule, so each layer is lora_linear's Function
+        return not (_higher_order_traced() or _vmapped_traced())
     return _direct_level(x, *(l.A for l in loras)) >= 0
 
 

@@ -10,6 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 import fastaf as fa
 from fastaf.functional import _call
+from tests._backends import fastaf_ops_backend
 from tests._models import ARCHS, MODELS, VOCAB, logits, random_adapter, tiny_falcon, tiny_gpt2, tiny_llama, token_batch
 from tests._peft import peft_grads, peft_model_with
 from tests._tolerances import rel_err
@@ -171,21 +172,34 @@ def test_compiled_call_over_a_model_with_a_graph_break_equals_eager():
 
 
 def test_compiled_vmap_of_grad_and_grad_of_grad_equal_eager_without_graph_breaks():
-    """Under two transforms in torch.compile each layer is the op's torch reference (pytorch#129845
-    blocks an autograd.Function there); siblings q/k/v do not share h. ``fullgraph=True`` is the
-    graph-break check."""
+    """Compiled ``vmap(grad)`` over a stack runs the op (its vmap rule: on CUDA the grouped
+    kernels), and compiled ``vmap`` alone too, each sibling q/k/v on its own (the shared-h
+    Functions have no vmap rule); under two derivative levels each layer is the op's torch
+    reference, whose second derivative is exact. ``fullgraph=True`` is the graph-break check."""
     base = tiny_llama(layers=1)
     ads = [random_adapter(base, ["q_proj", "k_proj", "v_proj", "down_proj"], seed=s) for s in range(3)]
     ids = token_batch()
     loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
     per_adapter = torch.func.vmap(torch.func.grad_and_value(loss))
-    got, want = torch.compile(per_adapter, fullgraph=True, backend="aot_eager")(fa.stack(ads)), per_adapter(fa.stack(ads))
+    backend, ops = fastaf_ops_backend()
+    got, want = torch.compile(per_adapter, fullgraph=True, backend=backend)(fa.stack(ads)), per_adapter(fa.stack(ads))
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         if isinstance(g, torch.Tensor):
             assert rel_err(g, w) < RTOL
+    assert ops == {"lora_linear_fwd": 4, "lora_linear_bwd": 4}, ops
+
+    logits = torch.func.vmap(lambda a: fa.functional_call(base, a, (ids,)).logits)
+    backend, ops = fastaf_ops_backend()
+    got = torch.compile(logits, fullgraph=True, backend=backend)(fa.stack(ads))
+    assert rel_err(got, logits(fa.stack(ads))) < RTOL
+    assert ops == {"lora_linear_fwd": 4}, ops
+
     q = "model.layers.0.self_attn.q_proj"
     second = lambda a: torch.func.grad(lambda b: torch.func.grad(loss)(b)[q].A.square().sum())(a)  # noqa: E731
-    got, want = torch.compile(second, fullgraph=True, backend="aot_eager")(ads[0]), second(ads[0])
+    backend, ops = fastaf_ops_backend()
+    got, want = torch.compile(second, fullgraph=True, backend=backend)(ads[0]), second(ads[0])
+    assert not ops, ops
+    assert want[q].A.abs().sum() > 0  # a second derivative the Function's backward would drop
     for path in want:
         assert rel_err(got[path].A, want[path].A) < RTOL and rel_err(got[path].B, want[path].B) < RTOL, path
 

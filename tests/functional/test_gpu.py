@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import fastaf as fa
+from tests._backends import fastaf_ops_backend
 from tests._models import random_adapter, tiny_llama, token_batch
 from tests._tolerances import REL_TOL, rel_err
 
@@ -73,3 +74,24 @@ def test_vmap_over_a_stack_of_fp32_masters_real_size(r, x_batched):
     assert rel_err(y, y64) < REL_TOL[torch.bfloat16]
     assert gr.A.dtype == gr.B.dtype == torch.float32
     assert rel_err(gr.A, g64.A) < 2 * REL_TOL[torch.bfloat16] and rel_err(gr.B, g64.B) < 2 * REL_TOL[torch.bfloat16]
+
+
+def test_compiled_vmap_of_grad_over_a_stack_runs_the_op_on_cuda():
+    """``torch.compile(vmap(grad_and_value))`` over a stack, each adapter on its own sequences:
+    the graphs call fastaf's op (its grouped kernels on CUDA), and Inductor's step equals each
+    adapter's eager ``grad_and_value``."""
+    model = tiny_llama(layers=1, dtype=torch.bfloat16).cuda()
+    ads = [random_adapter(model, ["q_proj", "k_proj", "v_proj", "down_proj"], seed=s) for s in range(3)]
+    ids = torch.stack([token_batch(seed=s) for s in range(3)]).cuda()
+    loss = lambda a, i: fa.functional_call(model, a, (i,), {"labels": i}).loss  # noqa: E731
+    per = torch.func.vmap(torch.func.grad_and_value(loss))
+    backend, ops = fastaf_ops_backend()
+    torch.compile(per, fullgraph=True, backend=backend)(fa.stack(ads), ids)
+    assert ops == {"lora_linear_fwd": 4, "lora_linear_bwd": 4}, ops
+    grads, losses = torch.compile(per, fullgraph=True)(fa.stack(ads), ids)
+    for i, ad in enumerate(ads):
+        g, v = torch.func.grad_and_value(loss)(ad, ids[i])
+        assert abs(losses[i].item() - v.item()) < 1e-2 * abs(v.item())
+        for p in ad:
+            assert rel_err(grads[p].A[i], g[p].A) < 2 * REL_TOL[torch.bfloat16], (i, p)
+            assert rel_err(grads[p].B[i], g[p].B) < 2 * REL_TOL[torch.bfloat16], (i, p)
