@@ -313,7 +313,7 @@ def _(info, in_dims, dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, i
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 _functorch = torch._C._functorch
 _is_wrapped = _functorch.is_functorch_wrapped_tensor
-_GRAD, _JVP = _functorch.TransformType.Grad, _functorch.TransformType.Jvp
+_GRAD, _JVP, _VMAP = _functorch.TransformType.Grad, _functorch.TransformType.Jvp, _functorch.TransformType.Vmap
 
 
 def _traced() -> bool:
@@ -357,11 +357,12 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
 
 @torch.compiler.assume_constant_result
 def _traced_levels() -> tuple[int, int]:
-    """(functorch transforms active, of which grad or jvp). Dynamo runs it once while tracing and
+    """(vmap levels active, derivative levels: grad or jvp). Dynamo runs it once while tracing and
     keeps the result as a constant: torch 2.11 refuses to trace the interpreter stack queries
-    (skipped functions), and the transforms of a traced function are fixed by its code."""
+    (skipped functions), and the transforms of a traced function are fixed by its code (dynamo
+    traces no function called under levels opened outside it)."""
     stack = _functorch.get_interpreter_stack() or ()
-    return len(stack), sum(i.key() in (_GRAD, _JVP) for i in stack)
+    return sum(i.key() == _VMAP for i in stack), sum(i.key() in (_GRAD, _JVP) for i in stack)
 
 
 def _higher_order_traced() -> bool:
@@ -379,10 +380,7 @@ def _higher_order_traced() -> bool:
 
 def _vmapped_traced() -> bool:
     """A vmap level inside ``torch.compile``: siblings' shared-h Functions have no vmap rule."""
-    if not torch.compiler.is_compiling():
-        return False
-    depth, derivatives = _traced_levels()
-    return depth > derivatives
+    return torch.compiler.is_compiling() and _traced_levels()[0] > 0
 
 
 def _differentiated(dy: Tensor) -> bool:
