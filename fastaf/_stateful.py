@@ -14,6 +14,11 @@ A thin layer over the functional core for code that expects a stateful model (HF
   ``model(...)``, ``generate``'s encoder and vision tower, a submodule called on its own, a
   checkpointed layer's recompute. Modules the active adapter does not target carry no hook and
   pay nothing; ``forward`` is the class's own.
+- Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
+  ``functional_call`` (``functional._group``): the modes share the active adapter's routes,
+  kept between calls, and each thread's grouping over them (``_Grouping``). A forward pre-hook on
+  the model marks where one call of it starts, which is when each leader's group is read (an
+  activation-checkpointing recompute, in the backward, reads the same).
 - Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
   ``active_adapter``.
 
@@ -42,9 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter, module_mode
+from .functional import (Adapter, Groups, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter,
+                         link_siblings, module_mode, module_routes)
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
+IMPL = "auto"  # the op's impl in the stateful layer's modes (tests force "triton" for the interpreter)
 
 
 class _LoRAParams(nn.Module):
@@ -101,6 +108,39 @@ class _AdapterSlot(nn.ModuleDict):
         return Adapter({p.path: p.lora(detach=detach) for p in self.values()})
 
 
+class _Grouping:
+    """The active adapter's routes, kept between calls so that the per-module modes can group
+    siblings across modules, and each thread's ``Groups`` over them (``registry.grouping``).
+    A copy or a pickle keeps the routes and starts with no thread's bookkeeping."""
+
+    def __init__(self, routes: dict[nn.Module, dict[int, Any]]) -> None:
+        self.routes = routes  # module -> its routes (``module_routes``)
+        everyone = [r for rs in routes.values() for r in rs.values()]
+        link_siblings(everyone)
+        self.everyone = {id(r): r for r in everyone}
+        self.local = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {"routes": self.routes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["routes"])
+
+    def groups(self) -> Groups:
+        groups = getattr(self.local, "groups", None)
+        if groups is None:
+            groups = self.local.groups = Groups(self.everyone, IMPL)
+        return groups
+
+    def new_call(self) -> None:
+        """The model starts a call: held outputs of the last one belong to members that never ran
+        (their leader never groups again), and each leader's group is read afresh."""
+        groups = getattr(self.local, "groups", None)
+        if groups is not None:
+            groups.close()
+            groups.plan.clear()
+
+
 class _Registry(nn.Module):
     """Every adapter of one model (``model.fastaf``), which one is active, and its module hooks."""
 
@@ -110,6 +150,8 @@ class _Registry(nn.Module):
         self.active: str | None = None
         self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
         self.hooked: dict[str, tuple] = {}  # module path -> (pre-hook id, hook id) on that module
+        self.call_hook: int | None = None  # the model's forward pre-hook (``_Grouping.new_call``)
+        self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
 
     def forward(self, x: Any) -> Any:
         """The identity: a container that calls its children in order (``nn.Sequential``) reaches
@@ -132,10 +174,14 @@ class _Registry(nn.Module):
             modules[path]._forward_pre_hooks.pop(pre_id, None)
             modules[path]._forward_hooks.pop(post_id, None)
             modules[path]._forward_hooks_always_called.pop(post_id, None)
-        self.hooked, self.active = {}, name
+        if self.call_hook is not None:
+            model._forward_pre_hooks.pop(self.call_hook, None)
+        self.hooked, self.active, self.call_hook, self.grouping = {}, name, None, None
         owners: dict[str, list[str]] = {}  # module path -> the keys its forward applies
+        loras: dict[str, dict[str, LoRA]] = {}  # module path -> its LoRAs (factors maybe still FSDP2 shards)
         for p in [] if name is None else self.slot(name).values():
             owners.setdefault(p.owner, []).append(p.path)
+            loras.setdefault(p.owner, {})[p.path] = p.lora(detach=False)
         self.active_loras = {}
         for path, keys in owners.items():
             pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
@@ -144,6 +190,9 @@ class _Registry(nn.Module):
         for slot_name, slot in self.adapters.items():
             for p in slot.parameters():
                 p.requires_grad_(slot_name == name)
+        if owners:  # each mode refreshes its routes' LoRAs and weights (``mode``)
+            self.grouping = _Grouping({modules[path]: module_routes(modules[path], loras[path]) for path in owners})
+            self.call_hook = model.register_forward_pre_hook(self.new_call).id
 
     def active_lora(self, path: str) -> LoRA:
         """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
@@ -167,10 +216,30 @@ class _Registry(nn.Module):
         _close_stale(self)
         stack = _open_modes()
         # inside functional_call the explicit adapter stands in for the active one
-        mode = None if explicit_mode_active() else module_mode(module, {k: self.active_lora(k) for k in keys})
+        mode = None if explicit_mode_active() else self.mode(keys, module)
         if mode is not None:
             mode.__enter__()
         stack.append((module, mode, self))
+
+    def mode(self, keys: tuple[str, ...], module: nn.Module) -> Any:
+        """The mode around ``module``'s forward: on its kept routes, grouping with its siblings
+        (eagerly); traced, new routes per call (dynamo cannot trace the grouping's bookkeeping)."""
+        grouping = None if torch.compiler.is_compiling() else self.grouping
+        if grouping is None or module not in grouping.routes:
+            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=IMPL)
+        routes = {}
+        for route in grouping.routes[module].values():
+            # the siblings too: a leader computes their outputs with the weights and factors they
+            # hold now (FSDP2 swaps in unsharded weights; load_state_dict(assign=True) new factors)
+            for member in route.siblings or (route,):
+                member.lora = self.active_lora(member.path)
+                member.weight = getattr(member.module, member.name)
+            routes[id(route.weight)] = route
+        return module_mode(module, {}, impl=IMPL, routes=routes, groups=grouping.groups())
+
+    def new_call(self, model: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling() and self.grouping is not None:
+            self.grouping.new_call()
 
     def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()

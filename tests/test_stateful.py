@@ -9,9 +9,12 @@ from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
 import fastaf._hub
+import fastaf._stateful
+from fastaf.functional import _group
 from tests._models import ARCHS, VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
 from tests._peft import peft_model_with
 from tests._tolerances import rel_err
+from tests.functional.test_group import counted, needs_interpreter  # noqa: F401 - a fixture
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 MAKERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
@@ -505,3 +508,43 @@ def test_init_on_a_sequential_keeps_its_forward():
     first = torch.nn.functional.linear(x, model[0].weight, model[0].bias) + lora.scale * (x @ lora.A.T) @ lora.B.T
     want = model[2](model[1](first))  # neither is targeted
     torch.testing.assert_close(model(x), want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_siblings_group_across_the_modules_hooks_and_equal_each_layer_alone(counted, monkeypatch, checkpointed):
+    """q/k/v and gate/up run as one op at the first one's call, as in an eager functional_call:
+    the first call learns the groups, the next ones run each group as one op each way, with the
+    same outputs and gradients as every layer alone; an activation-checkpointing recompute makes
+    the ops its forward made."""
+    monkeypatch.setattr(fastaf._stateful, "IMPL", "triton")  # the kernels: the interpreter on the CPU
+    ids = token_batch()
+
+    def steps(group: bool) -> list:
+        monkeypatch.setattr(_group, "GROUP", group)
+        model = fa.init(tiny_llama(layers=1))
+        model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]))
+        model.set_active_adapter("a")
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        out = []
+        for _ in range(3):
+            logits = model(ids).logits
+            out.append((logits.detach(), torch.autograd.grad(logits.square().mean(), params)))
+        return out
+
+    want = steps(group=False)
+    assert counted == {"fwd": 0, "bwd": 0}
+    got = steps(group=True)
+    for (y, gs), (y_want, gs_want) in zip(got, want):
+        torch.testing.assert_close(y, y_want, rtol=1e-4, atol=1e-6)
+        for g, w in zip(gs, gs_want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    learned = sorted((type(k).__name__, len(v)) for k, v in _group.learned().items())
+    assert learned == [("Linear", 1), ("Linear", 2)], learned
+    # two later calls, two groups each; a checkpointed layer's recompute (in the backward) runs
+    # them again, and the first call's recompute runs each layer alone, as its forward did
+    assert counted == {"fwd": 8 if checkpointed else 4, "bwd": 4}, counted

@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,7 @@ class _LoRAMode(TorchFunctionMode):
         # siblings run as one op at the first one's call (_group): eager functional_call modes
         self.groups = (_group.Groups(self.routes, impl)
                        if explicit and ids is None and not self.traced and not self.plain_weights else None)
+        self.shared_groups = False  # the groups belong to the stateful layer's modes together (module_mode)
 
     def __enter__(self) -> _LoRAMode:
         # A W + ΔW lives for one entry of the mode: checkpoint_context re-enters it for an
@@ -153,7 +154,7 @@ class _LoRAMode(TorchFunctionMode):
         for route in self.all_routes():
             route.merged = None
         self.shared = None  # likewise the siblings' h: a recompute's x is a new tensor
-        if self.groups is not None:
+        if self.groups is not None and not self.shared_groups:
             self.groups.reset()
         return super().__enter__()
 
@@ -605,10 +606,9 @@ def adapter_mode(
     return _LoRAMode(routes, impl, ids=adapter_ids)
 
 
-def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "auto") -> _LoRAMode:
-    """A mode adapting one module's weights with ``loras`` (adapter key -> LoRA: the module's own
-    path, and names of its parameters for expert LoRAs), unchecked: the stateful layer enters it
-    around that module's forward, after checking the adapter once when it was added."""
+def module_routes(module: nn.Module, loras: Mapping[str, LoRA]) -> dict[int, _Route]:
+    """``module``'s routes for ``loras`` (adapter key -> LoRA: the module's own path, and names of
+    its parameters for expert LoRAs), by weight id, unchecked (``module_mode``)."""
     routes = {}
     for key, lora in loras.items():
         if lora.experts:
@@ -618,7 +618,29 @@ def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "au
             name, spec = "weight", linear_spec(module)
         weight = getattr(module, name)
         routes[id(weight)] = _Route(key, module, weight, lora, spec, name)
-    return _LoRAMode(routes, impl, explicit=False)
+    return routes
+
+
+def link_siblings(routes: Iterable[_Route]) -> None:
+    """``_link_siblings`` over routes made module by module (``module_routes``)."""
+    _link_siblings({id(r): r for r in routes})
+
+
+def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "auto",
+                routes: dict[int, _Route] | None = None, groups: _group.Groups | None = None) -> _LoRAMode:
+    """A mode adapting one module's weights with ``loras``, unchecked: the stateful layer enters it
+    around that module's forward, after checking the adapter once when it was added.
+
+    ``routes``: the module's routes that the caller keeps between calls (``module_routes``, their
+    siblings linked across modules, keyed by the weights the module holds now, with current
+    LoRAs), in place of new ones from ``loras``; ``groups``: the grouping those routes share with
+    the other modules' modes, so siblings in different modules run as one op (``_group``). The
+    caller owns its bookkeeping: entering this mode does not reset it.
+    """
+    mode = _LoRAMode(module_routes(module, loras) if routes is None else routes, impl, explicit=False)
+    if groups is not None and not mode.traced and not mode.plain_weights:
+        mode.groups, mode.shared_groups = groups, True
+    return mode
 
 
 _local = threading.local()  # per thread: the eager functional_call scopes, innermost last
