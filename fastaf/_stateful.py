@@ -16,9 +16,11 @@ A thin layer over the functional core for code that expects a stateful model (HF
   pay nothing; ``forward`` is the class's own.
 - Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
   ``functional_call`` (``functional._group``): the modes share the active adapter's routes,
-  kept between calls, and each thread's grouping over them (``_Grouping``). A forward pre-hook on
-  the model marks where one call of it starts, which is when each leader's group is read (an
-  activation-checkpointing recompute, in the backward, reads the same).
+  kept between calls, and each thread's grouping over them (``_Grouping``). Hooks on the model
+  mark where a call of it starts and ends (each leader's group is read once per call; held
+  outputs go with the call). Not inside a non-reentrant activation checkpoint, whose recompute
+  (on autograd's device thread, maybe after later calls) must make the ops its forward made, and
+  not while only submodules run (their first call's reading stays until a call of the model).
 - Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
   ``active_adapter``.
 
@@ -51,7 +53,7 @@ from .functional import (Adapter, Groups, LoRA, LoRAConfig, adapter_mode, explic
                          link_siblings, module_mode, module_routes)
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
-IMPL = "auto"  # the op's impl in the stateful layer's modes (tests force "triton" for the interpreter)
+_IMPL = "auto"  # the op's impl in the stateful layer's modes (tests force "triton" for the interpreter)
 
 
 class _LoRAParams(nn.Module):
@@ -111,13 +113,14 @@ class _AdapterSlot(nn.ModuleDict):
 class _Grouping:
     """The active adapter's routes, kept between calls so that the per-module modes can group
     siblings across modules, and each thread's ``Groups`` over them (``registry.grouping``).
-    A copy or a pickle keeps the routes and starts with no thread's bookkeeping."""
+    A copy or a pickle keeps the routes (no call's tensors: a mode drops its W + ΔW on exit)
+    and starts with no thread's bookkeeping."""
 
     def __init__(self, routes: dict[nn.Module, dict[int, Any]]) -> None:
         self.routes = routes  # module -> its routes (``module_routes``)
         everyone = [r for rs in routes.values() for r in rs.values()]
         link_siblings(everyone)
-        self.everyone = {id(r): r for r in everyone}
+        self.by_id = {id(r): r for r in everyone}
         self.local = threading.local()
 
     def __getstate__(self) -> dict:
@@ -127,18 +130,21 @@ class _Grouping:
         self.__init__(state["routes"])
 
     def groups(self) -> Groups:
+        """This thread's grouping over the routes."""
         groups = getattr(self.local, "groups", None)
         if groups is None:
-            groups = self.local.groups = Groups(self.everyone, IMPL)
+            groups = self.local.groups = Groups(self.by_id, _IMPL)
+        groups.impl = _IMPL
         return groups
 
-    def new_call(self) -> None:
-        """The model starts a call: held outputs of the last one belong to members that never ran
-        (their leader never groups again), and each leader's group is read afresh."""
+    def end_call(self, fresh: bool) -> None:
+        """A call of the model ends (or, ``fresh``, starts: each leader's group is read afresh).
+        Outputs still held belong to members that never ran: their leader never groups again."""
         groups = getattr(self.local, "groups", None)
         if groups is not None:
             groups.close()
-            groups.plan.clear()
+            if fresh:
+                groups.plan.clear()
 
 
 class _Registry(nn.Module):
@@ -150,7 +156,7 @@ class _Registry(nn.Module):
         self.active: str | None = None
         self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
         self.hooked: dict[str, tuple] = {}  # module path -> (pre-hook id, hook id) on that module
-        self.call_hook: int | None = None  # the model's forward pre-hook (``_Grouping.new_call``)
+        self.call_hooks: tuple = ()  # the model's forward pre-hook and hook ids (``_Grouping.end_call``)
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
 
     def forward(self, x: Any) -> Any:
@@ -174,9 +180,11 @@ class _Registry(nn.Module):
             modules[path]._forward_pre_hooks.pop(pre_id, None)
             modules[path]._forward_hooks.pop(post_id, None)
             modules[path]._forward_hooks_always_called.pop(post_id, None)
-        if self.call_hook is not None:
-            model._forward_pre_hooks.pop(self.call_hook, None)
-        self.hooked, self.active, self.call_hook, self.grouping = {}, name, None, None
+        if self.call_hooks:
+            model._forward_pre_hooks.pop(self.call_hooks[0], None)
+            model._forward_hooks.pop(self.call_hooks[1], None)
+            model._forward_hooks_always_called.pop(self.call_hooks[1], None)
+        self.hooked, self.active, self.call_hooks, self.grouping = {}, name, (), None
         owners: dict[str, list[str]] = {}  # module path -> the keys its forward applies
         loras: dict[str, dict[str, LoRA]] = {}  # module path -> its LoRAs (factors maybe still FSDP2 shards)
         for p in [] if name is None else self.slot(name).values():
@@ -192,7 +200,8 @@ class _Registry(nn.Module):
                 p.requires_grad_(slot_name == name)
         if owners:  # each mode refreshes its routes' LoRAs and weights (``mode``)
             self.grouping = _Grouping({modules[path]: module_routes(modules[path], loras[path]) for path in owners})
-            self.call_hook = model.register_forward_pre_hook(self.new_call).id
+            self.call_hooks = (model.register_forward_pre_hook(self.start_call).id,
+                               model.register_forward_hook(self.end_call, always_call=True).id)
 
     def active_lora(self, path: str) -> LoRA:
         """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
@@ -223,10 +232,11 @@ class _Registry(nn.Module):
 
     def mode(self, keys: tuple[str, ...], module: nn.Module) -> Any:
         """The mode around ``module``'s forward: on its kept routes, grouping with its siblings
-        (eagerly); traced, new routes per call (dynamo cannot trace the grouping's bookkeeping)."""
-        grouping = None if torch.compiler.is_compiling() else self.grouping
+        (eagerly); traced or checkpointed, new routes per call, each layer alone (dynamo cannot
+        trace the grouping's bookkeeping; ``_checkpointed``)."""
+        grouping = None if torch.compiler.is_compiling() or _checkpointed() else self.grouping
         if grouping is None or module not in grouping.routes:
-            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=IMPL)
+            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
         routes = {}
         for route in grouping.routes[module].values():
             # the siblings too: a leader computes their outputs with the weights and factors they
@@ -235,16 +245,29 @@ class _Registry(nn.Module):
                 member.lora = self.active_lora(member.path)
                 member.weight = getattr(member.module, member.name)
             routes[id(route.weight)] = route
-        return module_mode(module, {}, impl=IMPL, routes=routes, groups=grouping.groups())
+        return module_mode(module, impl=_IMPL, routes=routes, groups=grouping.groups())
 
-    def new_call(self, model: nn.Module, args: Any) -> None:
+    def start_call(self, model: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling() and self.grouping is not None:
-            self.grouping.new_call()
+            self.grouping.end_call(fresh=True)
+
+    def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling() and self.grouping is not None:
+            self.grouping.end_call(fresh=False)
 
     def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _close(stack.pop()[1])
+
+
+def _checkpointed() -> bool:
+    """Saved-tensor hooks are on: a non-reentrant activation checkpoint's forward or recompute (or
+    offloading). The recompute runs in the backward, on autograd's device thread on CUDA and maybe
+    after later calls, and must make the ops its forward made, which a grouping read per call and
+    thread cannot promise. (Where torch lacks the query, never group.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def _close_stale(registry: _Registry) -> None:

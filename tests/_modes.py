@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
+import pytest
 import torch
+
+# the grouped op runs the Triton kernels: the interpreter on the CPU
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the grouped op runs the Triton kernels (the interpreter on the CPU)")
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastaf.functional import _group
+
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -24,3 +26,27 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the grouped kernels' forward and backward calls; learned groups start empty."""
+    monkeypatch.setattr(_group, "_LEARNED", type(_group._LEARNED)())
+    monkeypatch.setattr(_group, "_GIVEN_UP", type(_group._GIVEN_UP)())
+    kernels, calls = _group._group_kernels(), {"fwd": 0, "bwd": 0}
+
+    class Counting:
+        fits = staticmethod(kernels.fits)
+
+        @staticmethod
+        def group_fwd(*args, **kwargs):
+            calls["fwd"] += 1
+            return kernels.group_fwd(*args, **kwargs)
+
+        @staticmethod
+        def group_bwd(*args, **kwargs):
+            calls["bwd"] += 1
+            return kernels.group_bwd(*args, **kwargs)
+
+    monkeypatch.setattr(_group, "_group_kernels", lambda: Counting)
+    return calls

@@ -158,6 +158,12 @@ class _LoRAMode(TorchFunctionMode):
             self.groups.reset()
         return super().__enter__()
 
+    def __exit__(self, *exc: Any) -> None:
+        if self.shared_groups:  # kept routes outlive the mode: its W + ΔW must not (memory, graphs)
+            for route in self.all_routes():
+                route.merged = None
+        super().__exit__(*exc)
+
     def all_routes(self) -> list[_Route]:
         return [*self.routes.values(), *self.params.values()]
 
@@ -626,7 +632,7 @@ def link_siblings(routes: Iterable[_Route]) -> None:
     _link_siblings({id(r): r for r in routes})
 
 
-def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "auto",
+def module_mode(module: nn.Module, loras: Mapping[str, LoRA] | None = None, *, impl: str = "auto",
                 routes: dict[int, _Route] | None = None, groups: _group.Groups | None = None) -> _LoRAMode:
     """A mode adapting one module's weights with ``loras``, unchecked: the stateful layer enters it
     around that module's forward, after checking the adapter once when it was added.
@@ -635,9 +641,10 @@ def module_mode(module: nn.Module, loras: Mapping[str, LoRA], *, impl: str = "au
     siblings linked across modules, keyed by the weights the module holds now, with current
     LoRAs), in place of new ones from ``loras``; ``groups``: the grouping those routes share with
     the other modules' modes, so siblings in different modules run as one op (``_group``). The
-    caller owns its bookkeeping: entering this mode does not reset it.
+    caller owns its bookkeeping: entering this mode does not reset it, and leaving it drops the
+    W + ΔW its routes made.
     """
-    mode = _LoRAMode(module_routes(module, loras) if routes is None else routes, impl, explicit=False)
+    mode = _LoRAMode(module_routes(module, loras or {}) if routes is None else routes, impl, explicit=False)
     if groups is not None and not mode.traced and not mode.plain_weights:
         mode.groups, mode.shared_groups = groups, True
     return mode

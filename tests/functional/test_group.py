@@ -3,8 +3,6 @@ each layer alone (outputs, gradients, double backward), and given up where the g
 input, an input written in place, a layer between). Triton's interpreter on the CPU."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -14,37 +12,11 @@ import fastaf as fa
 from fastaf.functional import _group
 
 from .._models import random_adapter, tiny_llama, token_batch
-from .._modes import deterministic
+from .._modes import deterministic, needs_interpreter
 
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="the grouped op runs the Triton kernels (the interpreter on the CPU)")
 DEVICES = [pytest.param("cpu", marks=needs_interpreter),
            pytest.param("cuda", marks=[pytest.mark.gpu,
                                        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts of the grouped kernels' forward and backward calls; learned groups start empty."""
-    monkeypatch.setattr(_group, "_LEARNED", type(_group._LEARNED)())
-    monkeypatch.setattr(_group, "_GIVEN_UP", type(_group._GIVEN_UP)())
-    kernels, calls = _group._group_kernels(), {"fwd": 0, "bwd": 0}
-
-    class Counting:
-        fits = staticmethod(kernels.fits)
-
-        @staticmethod
-        def group_fwd(*args, **kwargs):
-            calls["fwd"] += 1
-            return kernels.group_fwd(*args, **kwargs)
-
-        @staticmethod
-        def group_bwd(*args, **kwargs):
-            calls["bwd"] += 1
-            return kernels.group_bwd(*args, **kwargs)
-
-    monkeypatch.setattr(_group, "_group_kernels", lambda: Counting)
-    return calls
 
 
 def _alone(model, adapter, x: torch.Tensor) -> torch.Tensor:
