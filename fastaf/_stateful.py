@@ -265,9 +265,12 @@ def _checkpointed() -> bool:
     """Saved-tensor hooks are on: a non-reentrant activation checkpoint's forward or recompute (or
     offloading). The recompute runs in the backward, on autograd's device thread on CUDA and maybe
     after later calls, and must make the ops its forward made, which a grouping read per call and
-    thread cannot promise. (Where torch lacks the query, never group.)"""
+    thread cannot promise. (Where torch lacks the query or it fails, never group.)"""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    try:
+        return top is None or top(False) is not None
+    except (TypeError, RuntimeError):  # another signature; a state where the stack cannot be read
+        return True
 
 
 def _close_stale(registry: _Registry) -> None:
