@@ -17,10 +17,9 @@ A thin layer over the functional core for code that expects a stateful model (HF
 - Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
   ``functional_call`` (``functional._group``): the modes share the active adapter's routes,
   kept between calls, and each thread's grouping over them (``_Grouping``). Hooks on the model
-  mark where a call of it starts and ends (each leader's group is read once per call; held
-  outputs go with the call). Not inside a non-reentrant activation checkpoint, whose recompute
-  (on autograd's device thread, maybe after later calls) must make the ops its forward made, and
-  not while only submodules run (their first call's reading stays until a call of the model).
+  mark where a call of it starts and ends (held outputs go with the call). Not inside a
+  non-reentrant activation checkpoint, whose recompute (on autograd's device thread, maybe after
+  later calls) must make the ops its forward made.
 - Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
   ``active_adapter``.
 
@@ -130,21 +129,22 @@ class _Grouping:
         self.__init__(state["routes"])
 
     def groups(self) -> Groups:
-        """This thread's grouping over the routes."""
+        """This thread's grouping over the routes, each leader's group read afresh: the per-call
+        reading (``Groups.plan``) serves a checkpointed recompute, where this layer never groups,
+        and kept from a first call it would hold off groups learned since while only submodules run."""
         groups = getattr(self.local, "groups", None)
         if groups is None:
             groups = self.local.groups = Groups(self.by_id, _IMPL)
         groups.impl = _IMPL
+        groups.plan.clear()
         return groups
 
-    def end_call(self, fresh: bool) -> None:
-        """A call of the model ends (or, ``fresh``, starts: each leader's group is read afresh).
-        Outputs still held belong to members that never ran: their leader never groups again."""
+    def end_call(self) -> None:
+        """A call of the model ends (or starts): outputs still held belong to members that never
+        ran, and their leader never groups again."""
         groups = getattr(self.local, "groups", None)
         if groups is not None:
             groups.close()
-            if fresh:
-                groups.plan.clear()
 
 
 class _Registry(nn.Module):
@@ -249,11 +249,11 @@ class _Registry(nn.Module):
 
     def start_call(self, model: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling() and self.grouping is not None:
-            self.grouping.end_call(fresh=True)
+            self.grouping.end_call()
 
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling() and self.grouping is not None:
-            self.grouping.end_call(fresh=False)
+            self.grouping.end_call()
 
     def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()

@@ -580,3 +580,21 @@ def test_kept_routes_hold_no_tensor_of_a_call_after_it():
     model(token_batch()).logits.sum().backward()
     assert all(r.merged is None for r in routes)
     copy.deepcopy(model)
+
+
+@needs_interpreter
+def test_siblings_group_when_only_a_submodule_runs(counted, monkeypatch):
+    """Groups learned by a submodule's calls (the decoder stack without the head) serve its later
+    calls, with the outputs of every layer alone."""
+    monkeypatch.setattr(fastaf._stateful, "_IMPL", "triton")
+    model = fa.init(tiny_llama(layers=1))
+    model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]))
+    model.set_active_adapter("a")
+    with torch.no_grad():
+        monkeypatch.setattr(_group, "GROUP", False)
+        want = model.model(token_batch()).last_hidden_state
+        monkeypatch.setattr(_group, "GROUP", True)
+        got = [model.model(token_batch()).last_hidden_state for _ in range(3)]
+    for y in got:
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-6)
+    assert counted == {"fwd": 4, "bwd": 0}, counted  # learned in the first, two groups in each later call
