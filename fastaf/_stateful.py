@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import tempfile
 import threading
 import types
@@ -139,12 +140,16 @@ class _Grouping:
         groups.plan.clear()
         return groups
 
-    def end_call(self) -> None:
+    def end_call(self, raised: bool = False) -> None:
         """A call of the model ends (or starts): outputs still held belong to members that never
-        ran, and their leader never groups again."""
+        ran, and their leader never groups again; after a call that ``raised``, they are only
+        dropped (the members did not get to run)."""
         groups = getattr(self.local, "groups", None)
         if groups is not None:
-            groups.close()
+            if raised:
+                groups.reset()
+            else:
+                groups.close()
 
 
 class _Registry(nn.Module):
@@ -237,15 +242,18 @@ class _Registry(nn.Module):
         grouping = None if torch.compiler.is_compiling() or _checkpointed() else self.grouping
         if grouping is None or module not in grouping.routes:
             return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
-        routes = {}
-        for route in grouping.routes[module].values():
-            # the siblings too: a leader computes their outputs with the weights and factors they
-            # hold now (FSDP2 swaps in unsharded weights; load_state_dict(assign=True) new factors)
-            for member in route.siblings or (route,):
-                member.lora = self.active_lora(member.path)
-                member.weight = getattr(member.module, member.name)
-            routes[id(route.weight)] = route
-        return module_mode(module, impl=_IMPL, routes=routes, groups=grouping.groups())
+        kept = grouping.routes[module].values()
+        members = [m for route in kept for m in route.siblings or (route,)]
+        weights = [getattr(m.module, m.name) for m in members]
+        if not all(isinstance(w, nn.Parameter) for w in weights):
+            # weights passed for one call (torch.func.functional_call): the kept routes must not
+            # keep them (nor their graphs) past it
+            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
+        # the siblings too: a leader computes their outputs with the weights and factors they hold
+        # now (FSDP2 swaps in unsharded weights; load_state_dict(assign=True) new factors)
+        for member, weight in zip(members, weights):
+            member.lora, member.weight = self.active_lora(member.path), weight
+        return module_mode(module, impl=_IMPL, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
 
     def start_call(self, model: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling() and self.grouping is not None:
@@ -253,7 +261,7 @@ class _Registry(nn.Module):
 
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling() and self.grouping is not None:
-            self.grouping.end_call()
+            self.grouping.end_call(raised=sys.exc_info()[0] is not None)  # always called: also on a raise
 
     def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = _open_modes()
@@ -262,10 +270,11 @@ class _Registry(nn.Module):
 
 
 def _checkpointed() -> bool:
-    """Saved-tensor hooks are on: a non-reentrant activation checkpoint's forward or recompute (or
-    offloading). The recompute runs in the backward, on autograd's device thread on CUDA and maybe
-    after later calls, and must make the ops its forward made, which a grouping read per call and
-    thread cannot promise. (Where torch lacks the query or it fails, never group.)"""
+    """Saved-tensor hooks are on: a non-reentrant activation checkpoint's forward or recompute, or
+    activation offloading (``save_on_cpu``: the stack below its top cannot be read). The recompute
+    runs in the backward, on autograd's device thread on CUDA and maybe after later calls, and
+    must make the ops its forward made, which a grouping read per call and thread cannot promise.
+    (Where torch lacks the query or it fails, never group.)"""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     try:
         return top is None or top(False) is not None

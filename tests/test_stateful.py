@@ -598,3 +598,28 @@ def test_siblings_group_when_only_a_submodule_runs(counted, monkeypatch):
     for y in got:
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-6)
     assert counted == {"fwd": 4, "bwd": 0}, counted  # learned in the first, two groups in each later call
+
+
+@needs_interpreter
+def test_a_raising_call_does_not_end_grouping_and_passed_weights_are_not_kept(counted, monkeypatch):
+    """A call that raised midway drops the outputs its group held (its members never ran) without
+    giving the group up; weights passed for one call (torch.func.functional_call) run each layer
+    alone and are not kept by the stateful layer's routes."""
+    monkeypatch.setattr(fastaf._stateful, "_IMPL", "triton")
+    model = fa.init(tiny_llama(layers=1))
+    model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj"]))
+    model.set_active_adapter("a")
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        model(token_batch())  # learns q -> (k, v)
+        handle = attn.k_proj.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("stop")))
+        with pytest.raises(RuntimeError, match="stop"):
+            model(token_batch())
+        handle.remove()
+        before = counted["fwd"]
+        model(token_batch())
+        assert counted["fwd"] == before + 1  # still grouped
+        passed = {n: p.detach().clone() for n, p in model.named_parameters() if "fastaf" not in n}
+        torch.func.functional_call(model, passed, (token_batch(),))
+    routes = [r for rs in model.fastaf.grouping.routes.values() for r in rs.values()]
+    assert all(isinstance(r.weight, torch.nn.Parameter) for r in routes)
