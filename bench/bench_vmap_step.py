@@ -77,10 +77,6 @@ def _loss(model):
     return lambda ad, ids: fa.functional_call(model, ad, (), {"input_ids": ids, "labels": ids}).loss
 
 
-def _unstacked(stack: fa.Adapter, i: int) -> fa.Adapter:
-    return fa.Adapter({p: fa.LoRA(l.A[i].clone(), l.B[i].clone(), l.scale) for p, l in stack.items()})
-
-
 def steps(model, ids: torch.Tensor, n: int) -> tuple[dict, fa.Adapter, dict]:
     """({provider: step} at ``ids`` (B, T) tokens in all, the stack the vmap providers train, and
     the compiled functions ``one`` and ``vmap`` run, for ``check``)."""
@@ -95,11 +91,10 @@ def steps(model, ids: torch.Tensor, n: int) -> tuple[dict, fa.Adapter, dict]:
                 "one": torch.compile(torch.func.grad_and_value(lambda ad: loss(ad, ids)), fullgraph=True)}
     cuda = ids.is_cuda
     fns = {
-        "one": _optimized(compiled["one"], _unstacked(stack, 0), cuda),
+        "one": _optimized(compiled["one"], pytree.tree_map(torch.clone, fa.unstack(stack)[0]), cuda),
         "vmap": _optimized(compiled["vmap"], stack, cuda),
         # its own copy: two optimizers must not step the same leaves between timed calls
-        "vmap-eager": _optimized(lambda st: vmapped(st, per), stack.map(lambda p, l: fa.LoRA(
-            l.A.clone(), l.B.clone(), l.scale)), cuda),
+        "vmap-eager": _optimized(lambda st: vmapped(st, per), pytree.tree_map(torch.clone, stack), cuda),
     }
     return fns, stack, compiled
 
@@ -126,12 +121,12 @@ def check(model, compiled: dict, ids: torch.Tensor, stack: fa.Adapter, n: int) -
     grads, losses = compiled["vmap"](stack)
     out["vmap_first_call_s"] = time.perf_counter() - t0
     errs = [_rel_err((pytree.tree_map(lambda t: t[i], grads), losses[i]),
-                     torch.func.grad_and_value(loss)(_unstacked(stack, i), per[i])) for i in range(n)]
+                     torch.func.grad_and_value(loss)(fa.unstack(stack)[i], per[i])) for i in range(n)]
     out["vmap"] = max(errs)
     t0 = time.perf_counter()
-    got = compiled["one"](_unstacked(stack, 0))
+    got = compiled["one"](fa.unstack(stack)[0])
     out["one_first_call_s"] = time.perf_counter() - t0
-    out["one"] = _rel_err(got, torch.func.grad_and_value(loss)(_unstacked(stack, 0), ids))
+    out["one"] = _rel_err(got, torch.func.grad_and_value(loss)(fa.unstack(stack)[0], ids))
     return out
 
 

@@ -240,14 +240,12 @@ class _Registry(nn.Module):
         (eagerly); traced or checkpointed, new routes per call, each layer alone (dynamo cannot
         trace the grouping's bookkeeping; ``_checkpointed``)."""
         grouping = None if torch.compiler.is_compiling() or _checkpointed() else self.grouping
-        if grouping is None or module not in grouping.routes:
-            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
-        kept = grouping.routes[module].values()
+        kept = () if grouping is None else grouping.routes[module].values()
         members = [m for route in kept for m in route.siblings or (route,)]
         weights = [getattr(m.module, m.name) for m in members]
-        if not all(isinstance(w, nn.Parameter) for w in weights):
-            # weights passed for one call (torch.func.functional_call): the kept routes must not
-            # keep them (nor their graphs) past it
+        # weights passed for one call (torch.func.functional_call): the kept routes must not keep
+        # them (nor their graphs) past it
+        if not kept or not all(isinstance(w, nn.Parameter) for w in weights):
             return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
         # the siblings too: a leader computes their outputs with the weights and factors they hold
         # now (FSDP2 swaps in unsharded weights; load_state_dict(assign=True) new factors)

@@ -563,7 +563,7 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
         if id(weight) in routes:
             raise ValueError(f"{path} and {routes[id(weight)].path} share one weight tensor; adapt only one")
         routes[id(weight)] = _Route(path, module, weight, lora, spec, name)
-    _link_siblings(routes)
+    link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
         weight = getattr(module, "weight", None)
@@ -579,12 +579,13 @@ def _routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
     return routes
 
 
-def _link_siblings(routes: dict[int, _Route]) -> None:
+def link_siblings(routes: Iterable[_Route]) -> None:
     """Mark linear routes under one parent with one in_features as candidate siblings (q/k/v/o,
-    gate/up). A guess from the structure: the call shares h only between siblings that really
-    get the same input tensor, so a wrong guess (o_proj) costs r more columns of h, no more."""
+    gate/up), over a call's routes or the stateful layer's (made module by module, ``module_routes``).
+    A guess from the structure: the call shares h only between siblings that really get the same
+    input tensor, so a wrong guess (o_proj) costs r more columns of h, no more."""
     groups: dict[tuple[str, int], list[_Route]] = {}
-    for route in routes.values():
+    for route in routes:
         if isinstance(route.spec, LinearSpec):
             groups.setdefault((route.path.rpartition(".")[0], route.spec.in_features), []).append(route)
     for members in groups.values():
@@ -625,11 +626,6 @@ def module_routes(module: nn.Module, loras: Mapping[str, LoRA]) -> dict[int, _Ro
         weight = getattr(module, name)
         routes[id(weight)] = _Route(key, module, weight, lora, spec, name)
     return routes
-
-
-def link_siblings(routes: Iterable[_Route]) -> None:
-    """``_link_siblings`` over routes made module by module (``module_routes``)."""
-    _link_siblings({id(r): r for r in routes})
 
 
 def module_mode(module: nn.Module, loras: Mapping[str, LoRA] | None = None, *, impl: str = "auto",

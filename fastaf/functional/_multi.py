@@ -27,10 +27,8 @@ from torch import Tensor
 
 from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
-from ._lora_linear import (IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
+from ._lora_linear import (_VMAP, IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
                            _direct_ok, _functorch, _traced_apply)
-
-_VMAP = _functorch.TransformType.Vmap
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
