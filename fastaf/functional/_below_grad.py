@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ._lora_linear import tracked_beneath
+
 _functorch = torch._C._functorch
 _is_wrapped = _functorch.is_functorch_wrapped_tensor
 _GRAD = _functorch.TransformType.Grad
@@ -42,13 +44,16 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 _WALK_DEPTH = 4  # Cache -> layers list -> layer object -> keys tensor is depth 3
 
 
-def grad_level(model: nn.Module, inputs: Any) -> int:
+def grad_level(model: nn.Module, inputs: Any, adapter: Any) -> int:
     """The grad level a call on ``inputs`` can run below, or 0 to take the per-op path.
 
     Eligible: eager (no tracer, no dispatch mode), exactly one functorch transform active and it a
     grad level, at least one input wrapped at that level, every wrapped input at that level and
-    visible to pytree, and no wrapped parameter or buffer in the model (an outer
-    ``torch.func.functional_call`` differentiating the base weights).
+    visible to pytree, no wrapped parameter or buffer in the model (an outer
+    ``torch.func.functional_call`` differentiating the base weights), and no factor of
+    ``adapter`` (one of the inputs) that plain autograd records beneath the level
+    (``tracked_beneath``: ``torch.autograd`` over the grad's result, as in MAML, needs the per-op
+    path's graph beneath; this node's inner graph starts from fresh leaves).
     """
     if not ENABLED or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return 0
@@ -65,7 +70,7 @@ def grad_level(model: nn.Module, inputs: Any) -> int:
                 found = True
         elif not isinstance(leaf, _ATOMS) and any(_is_wrapped(t) for _, _, t in _hidden_tensors(leaf)):
             return 0  # e.g. a Cache filled under this level: it cannot be unwrapped from outside
-    if not found:
+    if not found or tracked_beneath(*(t for t in pytree.tree_leaves(adapter) if isinstance(t, Tensor))):
         return 0
     for t in _module_tensors(model):
         if t is not None and _is_wrapped(t):

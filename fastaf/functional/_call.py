@@ -764,7 +764,7 @@ def functional_call(
         args = (args,)
     kwargs = kwargs or {}
     inputs = (adapter, args, kwargs, params, adapter_ids)
-    level = grad_level(model, inputs)
+    level = grad_level(model, inputs, adapter)
     if level:  # one eager torch.func.grad level: the model runs below it, as plain autograd
         call = lambda i: functional_call(model, i[0], i[1], i[2], params=i[3], adapter_ids=i[4], impl=impl)  # noqa: E731
         return call_below(level, call, inputs)

@@ -8,9 +8,9 @@ Layers of this file, bottom up:
    (``fastaf.kernels.lora_linear``) or to the reference.
 3. ``_LoRALinearFn``, a new-style ``autograd.Function`` (forward without ctx, ``setup_context``,
    ``backward``, ``vmap``) joining the two ops. Not ``register_autograd``: that form fails under
-   ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps). Plain eager calls (no transform,
-   no tracer) take ``_EagerLoRALinearFn`` instead: the same implementations and VJP without the
-   group axis, whose views and casts cost host time at small M.
+   ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps). Plain eager calls and one eager
+   ``torch.func.grad`` level take ``_LoRALinearDirect`` instead: the same implementations and
+   VJP without the group axis, whose views and casts cost host time at small M.
 4. ``lora_linear``, the public function.
 
 Inside the ops every tensor carries a leading *group* axis, so one op call serves one adapter
@@ -337,13 +337,14 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     return True
 
 
-def _direct_level(*tensors: Optional[Tensor]) -> int:
+def _direct_level(*tensors: Optional[Tensor], factors: tuple = ()) -> int:
     """Where ``_LoRALinearDirect`` can serve: 0 in plain eager autograd, the grad level when the
     innermost transform is the only ``torch.func.grad`` (vmap levels below it are fine), else -1.
 
-    Above one grad level (grad of grad, jvp) the op needs functorch's generic handling of
-    ``_LoRALinearFn``, which differentiates through the backward; it costs ~0.5-1 ms of host time
-    per call (a new Function class per call), so first-order grad, the common case, skips it.
+    Above one grad level (grad of grad, jvp), or where plain autograd records beneath the level
+    (``tracked_beneath`` of the LoRA ``factors``), the op needs functorch's generic handling of ``_LoRALinearFn``, which
+    differentiates through the backward; it costs ~0.5-1 ms of host time per call (a new Function
+    class per call), so first-order grad, the common case, skips it.
     """
     if _traced():
         return -1  # tracers see _LoRALinearFn and the registered ops
@@ -352,7 +353,7 @@ def _direct_level(*tensors: Optional[Tensor]) -> int:
         return 0 if _direct_ok(*tensors) else -1
     if stack[-1].key() != _GRAD or sum(i.key() in (_GRAD, _JVP) for i in stack) != 1:
         return -1
-    return stack[-1].level()
+    return -1 if tracked_beneath(*factors) else stack[-1].level()
 
 
 @torch.compiler.assume_constant_result
@@ -383,16 +384,46 @@ def _vmapped_traced() -> bool:
     return torch.compiler.is_compiling() and _traced_levels()[0] > 0
 
 
-def _differentiated(dy: Tensor) -> bool:
-    """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
-    is active (one level's backward runs with create_graph, which alone needs no higher order);
-    under plain autograd, create_graph (the engine runs a backward in grad mode exactly then). A
-    constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x still depends on B."""
-    if torch.compiler.is_compiling():
+def _bottom(t: Tensor) -> Tensor:
+    """``t`` with every functorch wrapper (grad levels, vmap levels) taken off."""
+    while _is_wrapped(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+def tracked_beneath(*tensors: Optional[Tensor]) -> bool:
+    """Plain autograd records beneath the torch.func transforms: the outermost grad level was
+    entered in grad mode and one of ``tensors``, its wrappers taken off, requires grad. That is
+    ``torch.autograd`` over ``torch.func.grad``'s result (MAML's outer step): the ops under the
+    level must then leave their graph beneath it, and their backward must be differentiable.
+
+    fastaf asks it of the LoRA factors only: an unfrozen base model's weights make every
+    activation require grad beneath, and the model's weights are constants to fastaf (README)."""
+    stack = _functorch.get_interpreter_stack()
+    outer = next((i for i in stack or () if i.key() == _GRAD), None)
+    if outer is None or not _functorch.CGradInterpreterPtr(outer).prevGradMode():
         return False
+    return any(t is not None and _bottom(t).requires_grad for t in tensors)
+
+
+def _differentiated(dy: Tensor, *, factors: tuple = ()) -> bool:
+    """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
+    is active (one level's backward runs with create_graph, which alone needs no higher order) or
+    plain autograd records beneath the levels (``tracked_beneath`` of the LoRA ``factors``);
+    under plain autograd, create_graph (the engine runs a backward in grad mode exactly
+    then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x still
+    depends on B.
+
+    Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
+    create_graph; the joint's first-order backward runs without) while a LoRA factor among
+    ``factors`` requires grad beneath, as an outer autograd over a compiled ``torch.func.grad``
+    asks. Activations are no sign there: an unfrozen base model's weights make them require grad
+    in every compiled step."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled() and any(t is not None and _bottom(t).requires_grad for t in factors)
     stack = _functorch.get_interpreter_stack()
     if stack:
-        return sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2
+        return sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2 or tracked_beneath(*factors)
     return torch.is_grad_enabled()
 
 
@@ -432,7 +463,7 @@ class _LoRALinearFn(torch.autograd.Function):
             return (None,) * 9
         needs = ctx.needs_input_grad
         operands = (dy, x, weight, a, b, h, seed)
-        if _differentiated(dy):
+        if _differentiated(dy, factors=(a, b)):
             # grad of grad: the reference's ops, differentiable, with h recomputed from x
             dropout_scale = _dropout_scale(x, ctx.dropout_p, seed)
             h = (x if dropout_scale is None else x * dropout_scale) @ _t(_as_dtype(a, x.dtype))
@@ -760,7 +791,7 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
     """``lora_linear`` on checked operands."""
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
-    level = _direct_level(x, weight, bias, lora.A, lora.B)
+    level = _direct_level(x, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B))
     if level == 0:  # plain eager autograd: the Function's C apply, no level flag to set
         return _direct_apply(0, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level > 0:

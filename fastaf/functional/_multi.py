@@ -186,7 +186,7 @@ class _LoRAMultiFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if _differentiated(dy):  # grad of grad
+        if _differentiated(dy, factors=(a, b)):  # grad of grad, or autograd beneath the levels
             dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, needs[0])
         else:
             bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
@@ -277,7 +277,7 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
         return _reference_with_dropout(x, weight, bias, lora, ids)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     args = (x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), impl)
-    level = _direct_level(x2, weight, bias, lora.A, lora.B)
+    level = _direct_level(x2, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B))
     if level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
     else:

@@ -152,7 +152,7 @@ class _SharedHFn(torch.autograd.Function):
     def backward(ctx, *dhs):
         (x,) = ctx.saved_tensors
         dh = _cat_grads(dhs, ctx.ranks, x)
-        if _differentiated(dh):
+        if _differentiated(dh, factors=(dh,)):  # dh carries the factors' history (A is not saved)
             da = dh.T @ x
         else:
             op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
@@ -212,7 +212,7 @@ class _GivenHFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, h, a, b = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if _differentiated(dy):
+        if _differentiated(dy, factors=(a, b)):
             dx, dh, db = reference_given_h_bwd(dy, weight, a, b, h, ctx.scale, needs[0])
         else:
             op = _given_h_bwd_impl if _direct_ok(dy, x, weight, a, b, h) else torch.ops.fastaf.lora_given_h_bwd
@@ -277,7 +277,8 @@ def shareable(x: object, loras: Sequence[LoRA]) -> bool:
         # grad of grad: each layer is lora_linear's reference; vmap: the shared-h Functions have
         # no vmap rule, so each layer is lora_linear's Function
         return not (_higher_order_traced() or _vmapped_traced())
-    return _direct_level(x, *(l.A for l in loras)) >= 0
+    factors = (*(l.A for l in loras), *(l.B for l in loras))
+    return _direct_level(x, *factors, factors=factors) >= 0
 
 
 def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[Tensor, ...]:
@@ -289,7 +290,7 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
     x = _autocast(x, None, None)[0]
     n = loras[0].out_features
     factors = [l.A for l in loras]
-    level = _direct_level(x, *factors)
+    level = _direct_level(x, *factors, factors=tuple(factors))
     if level >= 0:
         return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
     # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
@@ -307,7 +308,7 @@ def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Te
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
     scale = float(lora.scale)
-    level = _direct_level(x, weight, bias, h, lora.A, lora.B)
+    level = _direct_level(x, weight, bias, h, lora.A, lora.B, factors=(lora.A, lora.B))
     if level >= 0:
         return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
     y = _given_fn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)

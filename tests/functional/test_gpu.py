@@ -95,3 +95,27 @@ def test_compiled_vmap_of_grad_over_a_stack_runs_the_op_on_cuda():
         for p in ad:
             assert rel_err(grads[p].A[i], g[p].A) < 2 * REL_TOL[torch.bfloat16], (i, p)
             assert rel_err(grads[p].B[i], g[p].B) < 2 * REL_TOL[torch.bfloat16], (i, p)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_plain_autograd_over_func_grad_on_cuda(compiled):
+    """MAML's outer step with the inner one on the kernels (bf16 model, fp32 factors), eager and
+    compiled, against the torch reference's torch.func.grad twice."""
+    model = tiny_llama(dtype=torch.bfloat16).cuda()
+    ad = random_adapter(model, ["q_proj", "k_proj", "v_proj", "down_proj"])
+    ids = token_batch().cuda()
+    q = "model.layers.0.self_attn.q_proj"
+
+    def objective(a, inner):
+        grads, loss = inner(a)
+        return loss + 1e3 * grads[q].A.square().sum()
+
+    def inner(impl):
+        return torch.func.grad_and_value(lambda a: fa.functional_call(model, a, (ids,), {"labels": ids}, impl=impl).loss)
+
+    want = torch.func.grad(lambda a: objective(a, inner("torch")))(ad)
+    leaves = ad.map(lambda p, l: fa.LoRA(l.A.detach().requires_grad_(), l.B.detach().requires_grad_(), l.scale))
+    step = torch.compile(inner("auto"), fullgraph=True) if compiled else inner("auto")
+    got = torch.autograd.grad(objective(leaves, step), [leaves[p].A for p in ad] + [leaves[p].B for p in ad])
+    for g, w in zip(got, [want[p].A for p in ad] + [want[p].B for p in ad]):
+        assert rel_err(g, w) < REL_TOL[torch.bfloat16] * 4
