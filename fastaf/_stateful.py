@@ -41,7 +41,6 @@ import functools
 import sys
 import tempfile
 import threading
-import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -422,6 +421,25 @@ def _active_adapter(self: nn.Module) -> str | None:
     return _registry(self).active
 
 
+class _Method:
+    """A stateful-API function bound to one model, as ``types.MethodType`` binds it, that pickles:
+    a bound method pickles as ``getattr(model, function name)``, and the private function names
+    are not the model's attributes, so a whole model saved with ``torch.save`` failed to load."""
+
+    def __init__(self, fn: Any, model: nn.Module) -> None:
+        self.__func__, self.__self__ = fn, model
+        self.__name__, self.__doc__, self.__wrapped__ = fn.__name__.lstrip("_"), fn.__doc__, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _Method, (self.__func__, self.__self__)
+
+    def __repr__(self) -> str:
+        return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
+
+
 _METHODS = {
     "add_new_adapter": _add_new_adapter,
     "set_active_adapter": _set_active_adapter,
@@ -456,7 +474,7 @@ def init(model: nn.Module) -> nn.Module:
         p.requires_grad_(False)
     model.add_module(_ATTR, _Registry())
     for name, fn in _METHODS.items():
-        setattr(model, name, types.MethodType(fn, model))
+        setattr(model, name, _Method(fn, model))
     return model
 
 

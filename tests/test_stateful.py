@@ -249,6 +249,20 @@ def test_deepcopy_is_independent():
         assert not torch.equal(twin(ids).logits, model(ids).logits)
 
 
+def test_whole_model_saves_and_loads_with_torch_save(tmp_path):
+    """torch.save of the model object itself (until stop 37 the loaded copy failed: the bound
+    methods pickled as getattr of their private function names)."""
+    _, model = inited()
+    torch.save(model, tmp_path / "model.pt")
+    twin = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert twin.get_adapter.__self__ is twin and twin.active_adapter() == "b"
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+        twin.set_active_adapter(None)
+        assert model.active_adapter() == "b" and not torch.equal(twin(ids).logits, model(ids).logits)
+
+
 # ---- training through HF Trainer ----------------------------------------------------------------
 
 
