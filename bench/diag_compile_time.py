@@ -1,6 +1,10 @@
 """How long ``torch.compile`` takes to trace a training step, with and without fastaf.
 
-    python bench/diag_compile_time.py [--tiny] [--backends eager,aot_eager] [--name diag-compile-time]
+    python bench/diag_compile_time.py [--tiny] [--backends eager,aot_eager] [--steps base,fastaf-autograd]
+                                      [--name diag-compile-time]
+
+With ``--backends inductor`` run twice over one ``TORCHINDUCTOR_CACHE_DIR``, the second run times
+a warm start (a new process finding Inductor's and AOTAutograd's caches on disk).
 
 Dynamo traces a TorchFunctionMode's Python for every op of the model (and, before each adapted
 layer's autograd.Function became one opaque call to it, the Function's forward and backward), so
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke run)")
     ap.add_argument("--name", default="diag-compile-time")
     ap.add_argument("--backends", default="eager,aot_eager", help="comma-separated torch.compile backends")
+    ap.add_argument("--steps", default="base,fastaf-func,fastaf-autograd", help="comma-separated steps to time")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = make_model(args.tiny, device)
@@ -74,6 +79,8 @@ def main() -> None:
     rows = []
     for backend in args.backends.split(","):
         for name, (fn, fargs, backward) in steps(model, ids).items():
+            if name not in args.steps.split(","):
+                continue
             seconds, phases = first_call_s(fn, fargs, backward, backend)
             rows.append({"bench": "compile_time", "provider": name, "backend": backend,
                          "first_call_s": round(seconds, 2), **phases})

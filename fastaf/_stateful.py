@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import tempfile
 import threading
@@ -428,7 +429,10 @@ class _Method:
 
     def __init__(self, fn: Any, model: nn.Module) -> None:
         self.__func__, self.__self__ = fn, model
-        self.__name__, self.__doc__, self.__wrapped__ = fn.__name__.lstrip("_"), fn.__doc__, fn
+        self.__name__, self.__doc__ = fn.__name__.lstrip("_"), fn.__doc__
+        self.__qualname__ = f"{type(model).__name__}.{self.__name__}"
+        signature = inspect.signature(fn)  # less the model, as a bound method's
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__func__(self.__self__, *args, **kwargs)

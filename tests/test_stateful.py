@@ -1,5 +1,6 @@
 """The stateful layer (``fastaf.init`` and the ``model.add_new_adapter`` family) on tiny HF models."""
 import copy
+import inspect
 import json
 import threading
 from pathlib import Path
@@ -256,6 +257,7 @@ def test_whole_model_saves_and_loads_with_torch_save(tmp_path):
     torch.save(model, tmp_path / "model.pt")
     twin = torch.load(tmp_path / "model.pt", weights_only=False)
     assert twin.get_adapter.__self__ is twin and twin.active_adapter() == "b"
+    assert list(inspect.signature(twin.add_new_adapter).parameters)[:2] == ["name", "config"]  # as bound
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(twin(ids).logits, model(ids).logits)

@@ -44,16 +44,16 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 _WALK_DEPTH = 4  # Cache -> layers list -> layer object -> keys tensor is depth 3
 
 
-def grad_level(model: nn.Module, inputs: Any, adapter: Any) -> int:
+def grad_level(model: nn.Module, inputs: Any) -> int:
     """The grad level a call on ``inputs`` can run below, or 0 to take the per-op path.
 
     Eligible: eager (no tracer, no dispatch mode), exactly one functorch transform active and it a
     grad level, at least one input wrapped at that level, every wrapped input at that level and
     visible to pytree, no wrapped parameter or buffer in the model (an outer
-    ``torch.func.functional_call`` differentiating the base weights), and no factor of
-    ``adapter`` (one of the inputs) that plain autograd records beneath the level
-    (``tracked_beneath``: ``torch.autograd`` over the grad's result, as in MAML, needs the per-op
-    path's graph beneath; this node's inner graph starts from fresh leaves).
+    ``torch.func.functional_call`` differentiating the base weights), and no input that plain
+    autograd records beneath the level (``inputs_tracked``: ``torch.autograd`` over the grad's
+    result, as in MAML, needs the per-op path's graph beneath; this node's inner graph starts from
+    fresh leaves).
     """
     if not ENABLED or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return 0
@@ -61,21 +61,34 @@ def grad_level(model: nn.Module, inputs: Any, adapter: Any) -> int:
     if not stack or len(stack) != 1 or stack[0].key() != _GRAD:
         return 0
     level = stack[0].level()
-    found = False
+    # plain autograd can record beneath only when the level was entered in grad mode
+    beneath = _functorch.CGradInterpreterPtr(stack[0]).prevGradMode()
+    found = tracked = False
     for leaf in pytree.tree_leaves(inputs):
         if isinstance(leaf, Tensor):
             if _is_wrapped(leaf):
                 if _functorch.maybe_get_level(leaf) != level:
                     return 0  # a wrapper of an exited level, or nested wrappers
                 found = True
+                tracked = tracked or (beneath and _functorch.get_unwrapped(leaf).requires_grad)
+            else:
+                tracked = tracked or (beneath and leaf.requires_grad)
         elif not isinstance(leaf, _ATOMS) and any(_is_wrapped(t) for _, _, t in _hidden_tensors(leaf)):
             return 0  # e.g. a Cache filled under this level: it cannot be unwrapped from outside
-    if not found or tracked_beneath(*(t for t in pytree.tree_leaves(adapter) if isinstance(t, Tensor))):
+    if not found or tracked:  # tracked: inputs_tracked's case
         return 0
     for t in _module_tensors(model):
         if t is not None and _is_wrapped(t):
             return 0
     return level
+
+
+def inputs_tracked(inputs: Any) -> bool:
+    """Eagerly under a grad level: a tensor among ``inputs`` requires grad beneath the transforms
+    (``tracked_beneath``), so every op of the call must leave its graph there (``tracked_call``)."""
+    if torch.compiler.is_compiling() or not _functorch.get_interpreter_stack():
+        return False
+    return tracked_beneath(inputs=tuple(t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)))
 
 
 def call_below(level: int, fn: Callable[[Any], Any], inputs: Any) -> Any:

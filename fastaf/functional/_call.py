@@ -50,8 +50,8 @@ from torch.overrides import TorchFunctionMode
 from ._adapter import Adapter, LoRA
 from . import _carrier, _group
 from . import _rules as rules
-from ._below_grad import call_below, grad_level
-from ._lora_linear import IMPLS, routed_lora_linear
+from ._below_grad import call_below, grad_level, inputs_tracked
+from ._lora_linear import IMPLS, routed_lora_linear, tracked_call
 from ._modules import LinearSpec, ParamSpec, compiled_class, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
@@ -764,7 +764,7 @@ def functional_call(
         args = (args,)
     kwargs = kwargs or {}
     inputs = (adapter, args, kwargs, params, adapter_ids)
-    level = grad_level(model, inputs, adapter)
+    level = grad_level(model, inputs)
     if level:  # one eager torch.func.grad level: the model runs below it, as plain autograd
         call = lambda i: functional_call(model, i[0], i[1], i[2], params=i[3], adapter_ids=i[4], impl=impl)  # noqa: E731
         return call_below(level, call, inputs)
@@ -773,6 +773,9 @@ def functional_call(
     else:
         run = lambda: model(*args, **kwargs)  # noqa: E731
     batch = _batch_size((args, kwargs)) if adapter_ids is not None else None
+    if inputs_tracked(inputs):  # MAML's outer autograd: every layer leaves its graph beneath the levels
+        with tracked_call():
+            return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
     return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
 
 

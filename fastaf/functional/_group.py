@@ -65,7 +65,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         x2 = _flat(x)  # (M, K)
         lead = x.shape[:-1] if x.dim() > 2 else ()
         ys, h = _group_kernels().group_fwd(x2, weights, biases, a, b, scales, lead=lead, graphed=True)
-        ctx.save_for_backward(x2, h, weights[0], *a, *b)
+        ctx.save_for_backward(x, h, weights[0], *a, *b)  # not x2: a double backward's reshape must be in its graph
         # The followers' weights with their versions, not saved: a follower whose weight is written
         # before its own call (a pre-hook) computes alone, and this node's backward must not raise
         # for a weight it will not use. One whose output came from here must find it unchanged.
@@ -77,7 +77,8 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
     @staticmethod
     def backward(ctx, *dys):
         n = ctx.n
-        x2, h, first, *rest = ctx.saved_tensors
+        x, h, first, *rest = ctx.saved_tensors
+        x2 = _flat(x)
         a, b = rest[:n], rest[n:]
         weights = [first] + [w for w, _ in ctx.followers]
         for dy, (w, version), path in zip(dys[1:], ctx.followers, ctx.paths[1:]):

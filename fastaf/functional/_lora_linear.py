@@ -32,6 +32,11 @@ recomputes the mask and the Triton kernels match this reference bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import threading
+import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -337,12 +342,13 @@ def _direct_ok(*tensors: Optional[Tensor]) -> bool:
     return True
 
 
-def _direct_level(*tensors: Optional[Tensor], factors: tuple = ()) -> int:
+def _direct_level(*tensors: Optional[Tensor], factors: tuple = (), weight: Optional[Tensor] = None,
+                  x: Optional[Tensor] = None) -> int:
     """Where ``_LoRALinearDirect`` can serve: 0 in plain eager autograd, the grad level when the
     innermost transform is the only ``torch.func.grad`` (vmap levels below it are fine), else -1.
 
     Above one grad level (grad of grad, jvp), or where plain autograd records beneath the level
-    (``tracked_beneath`` of the LoRA ``factors``), the op needs functorch's generic handling of ``_LoRALinearFn``, which
+    (``tracked_beneath`` of the layer's ``factors``, ``weight`` and input ``x``), the op needs functorch's generic handling of ``_LoRALinearFn``, which
     differentiates through the backward; it costs ~0.5-1 ms of host time per call (a new Function
     class per call), so first-order grad, the common case, skips it.
     """
@@ -353,7 +359,7 @@ def _direct_level(*tensors: Optional[Tensor], factors: tuple = ()) -> int:
         return 0 if _direct_ok(*tensors) else -1
     if stack[-1].key() != _GRAD or sum(i.key() in (_GRAD, _JVP) for i in stack) != 1:
         return -1
-    return -1 if tracked_beneath(*factors) else stack[-1].level()
+    return -1 if tracked_beneath(factors, weight, (x,)) else stack[-1].level()
 
 
 @torch.compiler.assume_constant_result
@@ -391,39 +397,98 @@ def _bottom(t: Tensor) -> Tensor:
     return t
 
 
-def tracked_beneath(*tensors: Optional[Tensor]) -> bool:
-    """Plain autograd records beneath the torch.func transforms: the outermost grad level was
-    entered in grad mode and one of ``tensors``, its wrappers taken off, requires grad. That is
-    ``torch.autograd`` over ``torch.func.grad``'s result (MAML's outer step): the ops under the
-    level must then leave their graph beneath it, and their backward must be differentiable.
+def _requires_grad_beneath(t: Optional[Tensor]) -> bool:
+    return t is not None and _bottom(t).requires_grad
 
-    fastaf asks it of the LoRA factors only: an unfrozen base model's weights make every
-    activation require grad beneath, and the model's weights are constants to fastaf (README)."""
-    stack = _functorch.get_interpreter_stack()
-    outer = next((i for i in stack or () if i.key() == _GRAD), None)
-    if outer is None or not _functorch.CGradInterpreterPtr(outer).prevGradMode():
+
+def _op_tracked(factors: tuple, weight: Optional[Tensor], activations: tuple) -> bool:
+    """One layer's own sign that plain autograd records beneath the transforms: one of its LoRA
+    ``factors`` requires grad there, or, unless its ``weight`` requires grad, one of its
+    ``activations`` does (through another layer's factors or a tracked input). An unfrozen
+    weight makes every activation require grad, in every step: no sign then. (No weight: the
+    activations count.)"""
+    if any(_requires_grad_beneath(f) for f in factors):
+        return True
+    return not _requires_grad_beneath(weight) and any(map(_requires_grad_beneath, activations))
+
+
+def _entered_in_grad_mode() -> Optional[bool]:
+    """Whether the outermost grad level was entered in grad mode (None: no grad level)."""
+    outer = next((i for i in _functorch.get_interpreter_stack() or () if i.key() == _GRAD), None)
+    return None if outer is None else _functorch.CGradInterpreterPtr(outer).prevGradMode()
+
+
+class _CallState(threading.local):
+    tracked = False  # functional_call's inputs are tracked beneath (``tracked_call``)
+
+
+_CALL = _CallState()
+
+
+@contextlib.contextmanager
+def tracked_call():
+    """Every op in the block takes the exact path beneath the transforms (``tracked_beneath``):
+    ``functional_call`` enters it when one of its inputs is tracked, so a layer whose own factors
+    and weights give no sign (an unfrozen base) still leaves its graph beneath."""
+    previous, _CALL.tracked = _CALL.tracked, True
+    try:
+        yield
+    finally:
+        _CALL.tracked = previous
+
+
+def tracked_beneath(factors: tuple = (), weight: Optional[Tensor] = None, activations: tuple = (),
+                    *, inputs: tuple = ()) -> bool:
+    """Plain autograd records beneath the torch.func transforms, eagerly: the outermost grad level
+    was entered in grad mode, and a call's ``inputs`` or a layer (``_op_tracked``) shows it. That
+    is ``torch.autograd`` over ``torch.func.grad``'s result (MAML's outer step): the ops under the
+    level must then leave their graph beneath it, and their backward must be differentiable."""
+    if not _entered_in_grad_mode():
         return False
-    return any(t is not None and _bottom(t).requires_grad for t in tensors)
+    if _CALL.tracked or any(map(_requires_grad_beneath, inputs)) or _op_tracked(factors, weight, activations):
+        _warn_tracked()
+        return True
+    return False
 
 
-def _differentiated(dy: Tensor, *, factors: tuple = ()) -> bool:
+_warned_tracked = False
+
+
+def _warn_tracked() -> None:
+    global _warned_tracked
+    if _warned_tracked:
+        return
+    _warned_tracked = True
+    warnings.warn(
+        "fastaf: tensors that require grad reach its ops beneath torch.func's grad level (LoRA factors, "
+        "inputs or activations): fastaf keeps plain autograd's graph beneath the level on its exact, "
+        "slower per-layer path, so that torch.autograd over the result is exact (MAML). Pass detached "
+        "tensors to torch.func if you do not differentiate its result again.",
+        stacklevel=3,
+    )
+
+
+def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor] = None, x: Optional[Tensor] = None,
+                    call: bool = False) -> bool:
     """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
     is active (one level's backward runs with create_graph, which alone needs no higher order) or
-    plain autograd records beneath the levels (``tracked_beneath`` of the LoRA ``factors``);
-    under plain autograd, create_graph (the engine runs a backward in grad mode exactly
-    then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x still
-    depends on B.
+    plain autograd records beneath the levels (``tracked_beneath``; ``call``: the forward ran in
+    a ``tracked_call``); under plain autograd, create_graph (the engine runs a backward in grad
+    mode exactly then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x
+    still depends on B.
 
     Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
-    create_graph; the joint's first-order backward runs without) while a LoRA factor among
-    ``factors`` requires grad beneath, as an outer autograd over a compiled ``torch.func.grad``
-    asks. Activations are no sign there: an unfrozen base model's weights make them require grad
-    in every compiled step."""
+    create_graph; the joint's first-order backward runs without), under a grad level entered in
+    grad mode, where the layer shows plain autograd beneath (``_op_tracked``), as an outer
+    autograd over a compiled ``torch.func.grad`` asks. ``functional_call``'s inputs are not seen
+    there: with an unfrozen base, a layer whose own factors are not tracked runs first order."""
     if torch.compiler.is_compiling():
-        return torch.is_grad_enabled() and any(t is not None and _bottom(t).requires_grad for t in factors)
+        return (torch.is_grad_enabled() and _entered_in_grad_mode() is not False
+                and _op_tracked(factors, weight, (x, dy)))
     stack = _functorch.get_interpreter_stack()
     if stack:
-        return sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2 or tracked_beneath(*factors)
+        levels = sum(i.key() in (_GRAD, _JVP) for i in stack)
+        return levels >= 2 or call or tracked_beneath(factors, weight, (x, dy))
     return torch.is_grad_enabled()
 
 
@@ -452,6 +517,7 @@ class _LoRALinearFn(torch.autograd.Function):
         x, weight, bias, a, b, scale, dropout_p, seed, impl = inputs
         ctx.save_for_backward(x, weight, a, b, output[1], seed)
         ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
+        ctx.call = _CALL.tracked
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)  # h is never differentiated: skip a zero-fill per backward
@@ -463,7 +529,7 @@ class _LoRALinearFn(torch.autograd.Function):
             return (None,) * 9
         needs = ctx.needs_input_grad
         operands = (dy, x, weight, a, b, h, seed)
-        if _differentiated(dy, factors=(a, b)):
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):
             # grad of grad: the reference's ops, differentiable, with h recomputed from x
             dropout_scale = _dropout_scale(x, ctx.dropout_p, seed)
             h = (x if dropout_scale is None else x * dropout_scale) @ _t(_as_dtype(a, x.dtype))
@@ -496,7 +562,8 @@ class _LoRALinearFn(torch.autograd.Function):
 
 
 def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
-    """``fn.apply`` as one opaque call to dynamo (``torch.compiler.allow_in_graph``).
+    """``fn.apply`` as one opaque call to dynamo (``torch.compiler.allow_in_graph``), to be bound
+    in ``fn``'s module as ``<fn name>_apply``.
 
     Dynamo would otherwise speculate ``fn``'s forward and backward as bytecode at every adapted
     layer. Opaque, AOTAutograd traces ``fn`` itself, on fake tensors, into the same graphs (the
@@ -510,8 +577,37 @@ def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
     def apply(*args: Any) -> Any:
         return fn.apply(*args)
 
+    # named as the caller binds it, in fn's module: AOTAutograd's cache pickles the graphs' calls
+    # by module and name, which must find this very function
     apply.__name__ = apply.__qualname__ = f"{fn.__name__}_apply"
+    apply.__module__ = fn.__module__
+    _mark_cacheable(apply)
     return torch.compiler.allow_in_graph(apply)
+
+
+def _mark_cacheable(apply: Any) -> None:
+    """Let AOTAutograd's cache keep the graphs that call ``apply``, keyed by fastaf's source.
+
+    AOTAutograd caches only graphs whose calls it can vouch for; an opaque function it cannot,
+    so every compiled fastaf forward+backward was traced again in each new process (on the CPU,
+    a 1-layer model's warm first step 6.7 s against the base model's 3.7-4.1 s). What ``apply``
+    traces to is fixed by its inputs (in the cache key), the grad mode and fastaf's code: the key
+    given here is a hash of that code, so an edited or upgraded fastaf misses. Kernel choices
+    are made inside the registered ops when they run, not in the cached graphs."""
+    marked = getattr(getattr(torch, "_inductor").config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):  # torch's hook for exactly this (a name -> key dict since 2.6)
+        marked[f"{apply.__module__}.{apply.__name__}"] = _source_key()
+
+
+@functools.cache
+def _source_key() -> str:
+    """sha256 of fastaf's Python sources (the functional core and the kernels), read once."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((*root.glob("functional/*.py"), *root.glob("kernels/*.py"))):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"fastaf-{digest.hexdigest()[:16]}"
 
 
 def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -590,7 +686,9 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         finally:
             if saved_layer is not None:
                 _functorch.push_dynamic_layer_stack(saved_layer)
-        ctx.save_for_backward(x2, weight, a, b, h, seed)
+        # x as it came, not x2: a double backward's reshape of it is then part of the graph (a 3-D
+        # x reshaped in here, where grad is off, lost every term through x)
+        ctx.save_for_backward(x, weight, a, b, h, seed)
         ctx.level, ctx.scale, ctx.dropout_p, ctx.impl = level, scale, dropout_p, impl
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
@@ -599,7 +697,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 10
-        x2, weight, a, b, h, seed = ctx.saved_tensors
+        x, weight, a, b, h, seed = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
         saved_layer = None
         if ctx.level:
@@ -614,6 +712,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         try:
             with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
+                x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
                 if double:
                     a, b = _as_dtype(a, x2.dtype), _as_dtype(b, x2.dtype)  # saved as they came (kernels)
                     keep = _dropout_scale(x2[None], ctx.dropout_p, seed)
@@ -646,7 +745,7 @@ def _unflatten(y: Tensor, x: Tensor) -> Tensor:
     shape = (*x.shape[:-1], y.shape[-1])
     return _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
 _direct_apply = _LoRALinearDirect.apply  # the C apply: no functorch dispatch, no argument binding
-_fn_apply = _traced_apply(_LoRALinearFn)
+_LoRALinearFn_apply = _traced_apply(_LoRALinearFn)
 _single_level_allowed = _functorch.get_single_level_autograd_function_allowed
 _allow_single_level = _functorch.set_single_level_autograd_function_allowed
 
@@ -791,7 +890,7 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
     """``lora_linear`` on checked operands."""
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
-    level = _direct_level(x, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B))
+    level = _direct_level(x, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x)
     if level == 0:  # plain eager autograd: the Function's C apply, no level flag to set
         return _direct_apply(0, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level > 0:
@@ -811,5 +910,5 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         seed,
         impl,
     )
-    y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else _fn_apply(*args)
+    y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else _LoRALinearFn_apply(*args)
     return y.reshape(*lead, weight.shape[0])

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
-from ._lora_linear import (_VMAP, IMPLS, _apply_single_level, _autocast, _below, _differentiated, _direct_level,
-                           _direct_ok, _functorch, _traced_apply)
+from ._lora_linear import (_CALL, _VMAP, IMPLS, _apply_single_level, _autocast, _below, _differentiated,
+                           _direct_level, _direct_ok, _functorch, _traced_apply)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -177,6 +177,7 @@ class _LoRAMultiFn(torch.autograd.Function):
         x, weight, bias, a, b, ids, scale, impl = inputs
         ctx.save_for_backward(x, weight, a, b, output[1], ids)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
+        ctx.call = _CALL.tracked
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
 
@@ -186,7 +187,7 @@ class _LoRAMultiFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if _differentiated(dy, factors=(a, b)):  # grad of grad, or autograd beneath the levels
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):  # grad of grad, or autograd beneath the levels
             dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, needs[0])
         else:
             bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
@@ -233,7 +234,7 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
 
 
 _multi_direct_apply = _LoRAMultiDirect.apply  # the C apply
-_multi_fn_apply = _traced_apply(_LoRAMultiFn)
+_LoRAMultiFn_apply = _traced_apply(_LoRAMultiFn)
 
 
 # ---- 4. the public function --------------------------------------------------------------------
@@ -277,9 +278,9 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
         return _reference_with_dropout(x, weight, bias, lora, ids)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     args = (x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), impl)
-    level = _direct_level(x2, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B))
+    level = _direct_level(x2, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x2)
     if level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
     else:
-        y = _multi_fn_apply(*args)[0]
+        y = _LoRAMultiFn_apply(*args)[0]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

@@ -56,6 +56,13 @@ def reference_given_h_bwd(dy: Tensor, weight: Tensor, a: Tensor, b: Tensor, h: T
     return dx, dh, _as_dtype(db, b_dtype)
 
 
+def _recomputed_h(x2: Tensor, a: Tensor) -> Tensor:
+    """h = x @ A.T again, for a differentiated backward: dB = s * dy.T @ h then depends on x and A
+    in its own graph. The saved h cannot carry that: shared_h passes no gradient to x (given_h's
+    dx carries the path through h, first order)."""
+    return x2 @ _as_dtype(a, x2.dtype).T
+
+
 def _da_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 on the reference
 
@@ -172,19 +179,20 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
             ctx.dtypes, ctx.ranks = [t.dtype for t in a], [t.shape[0] for t in a]
             h = _shared_h_impl(x2, torch.cat(a), n, ctx.ranks[0], impl)
             hs = h.split(ctx.ranks, dim=1)
-        ctx.save_for_backward(x2)
+        ctx.save_for_backward(x)  # not x2: a double backward's reshape must be in its graph
         ctx.level, ctx.n, ctx.impl = level, n, impl
         ctx.set_materialize_grads(False)
         return tuple(_functorch._wrap_for_grad(t, level) for t in hs) if level else hs
 
     @staticmethod
     def backward(ctx, *dhs):
-        (x2,) = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         if all(d is None for d in dhs):
             return (None,) * (4 + len(dhs))
         # differentiated when any sibling's dh carries history (another's may be a constant)
         double = not ctx.level and any(d is not None and _differentiated(d) for d in dhs)
         with _below(ctx.level, *dhs) as dhs, (contextlib.nullcontext() if double else torch.no_grad()):
+            x2 = _flat(x)
             dh = _cat_grads(dhs, ctx.ranks, x2)
             da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.ranks[0], ctx.impl)
             das = tuple(_as_dtype(d, t) for d, t in zip(da.split(ctx.ranks), ctx.dtypes))
@@ -212,8 +220,8 @@ class _GivenHFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, h, a, b = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if _differentiated(dy, factors=(a, b)):
-            dx, dh, db = reference_given_h_bwd(dy, weight, a, b, h, ctx.scale, needs[0])
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x):
+            dx, dh, db = reference_given_h_bwd(dy, weight, a, b, _recomputed_h(x, a), ctx.scale, needs[0])
         else:
             op = _given_h_bwd_impl if _direct_ok(dy, x, weight, a, b, h) else torch.ops.fastaf.lora_given_h_bwd
             with torch.no_grad():
@@ -232,7 +240,7 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
         with _below(level, x, weight, bias, h, a, b) as (x, weight, bias, h, a, b):
             x2 = _flat(x)
             y = _unflatten(_given_h_fwd_impl(x2, weight, bias, h, b, scale, impl), x)
-        ctx.save_for_backward(x2, weight, h, a, b)
+        ctx.save_for_backward(x, weight, h, a, b)  # not x2: a double backward's reshape must be in its graph
         ctx.level, ctx.scale, ctx.impl = level, scale, impl
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
@@ -241,13 +249,13 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 9
-        x2, weight, h, a, b = ctx.saved_tensors
+        x, weight, h, a, b = ctx.saved_tensors
         need_x, need_w, need_bias, need_h, _, need_b = ctx.needs_input_grad[1:7]
         double = not ctx.level and _differentiated(dy)
         with _below(ctx.level, dy) as (dy,), (contextlib.nullcontext() if double else torch.no_grad()):
-            dy2 = _flat(dy)
+            dy2, x2 = _flat(dy), _flat(x)
             if double:
-                dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, h, ctx.scale, need_x)
+                dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, _recomputed_h(x2, a), ctx.scale, need_x)
             else:
                 dx, dh, db = _given_h_bwd_impl(dy2, x2, weight, a, b, h, ctx.scale, need_x, ctx.impl)
             if need_x and dy.dim() != 2:
@@ -259,8 +267,8 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
 
 _shared_direct_apply = _SharedHDirect.apply
 _given_direct_apply = _GivenHDirect.apply
-_shared_fn_apply = _traced_apply(_SharedHFn)
-_given_fn_apply = _traced_apply(_GivenHFn)
+_SharedHFn_apply = _traced_apply(_SharedHFn)
+_GivenHFn_apply = _traced_apply(_GivenHFn)
 
 
 # ---- 4. entry points (functional_call's) ---------------------------------------------------------
@@ -278,7 +286,7 @@ def shareable(x: object, loras: Sequence[LoRA]) -> bool:
         # no vmap rule, so each layer is lora_linear's Function
         return not (_higher_order_traced() or _vmapped_traced())
     factors = (*(l.A for l in loras), *(l.B for l in loras))
-    return _direct_level(x, *factors, factors=factors) >= 0
+    return _direct_level(x, *factors, factors=factors, x=x) >= 0
 
 
 def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[Tensor, ...]:
@@ -290,12 +298,12 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
     x = _autocast(x, None, None)[0]
     n = loras[0].out_features
     factors = [l.A for l in loras]
-    level = _direct_level(x, *factors, factors=tuple(factors))
+    level = _direct_level(x, *factors, factors=tuple(factors), x=x)
     if level >= 0:
         return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
     # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
     # stack sits outside the Function, whose signature stays fixed whatever the sibling count.
-    return _shared_fn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
+    return _SharedHFn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
 
 
 def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, lora: LoRA, *,
@@ -308,8 +316,8 @@ def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Te
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
     scale = float(lora.scale)
-    level = _direct_level(x, weight, bias, h, lora.A, lora.B, factors=(lora.A, lora.B))
+    level = _direct_level(x, weight, bias, h, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x)
     if level >= 0:
         return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
-    y = _given_fn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
+    y = _GivenHFn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -254,6 +254,48 @@ def test_plain_autograd_over_vmap_of_func_grad_gives_second_derivatives():
             assert rel_err(g[n], w) < RTOL
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_plain_autograd_over_func_grad_with_one_factor_tracked(compiled):
+    """Only layer 0's q_proj A is a meta-parameter, over two layers and a list of two adapters
+    (the second one constant): every other layer's backward still depends on it, through its
+    input and its cotangent. Eagerly the base is unfrozen (the call's inputs decide); compiled it
+    is frozen (each layer decides from its own operands, which an unfrozen base would blur)."""
+    base = tiny_llama(layers=2)
+    if compiled:
+        base.requires_grad_(False)
+    ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+    other = random_adapter(base, ["q_proj", "gate_proj"], seed=1)
+    ids = token_batch()
+    q = "model.layers.0.self_attn.q_proj"
+    inner = torch.func.grad(lambda a: fa.functional_call(base, [a, other], (ids,), {"labels": ids}).loss)
+    step = torch.compile(inner, fullgraph=True) if compiled else inner
+
+    def outer(A, step):
+        grads = step(ad.map(lambda p, l: fa.LoRA(A, l.B, l.scale) if p == q else l))
+        return sum(t.square().sum() for t in pytree.tree_leaves(grads))
+
+    want = torch.func.grad(lambda A: outer(A, inner))(ad[q].A)
+    A = ad[q].A.detach().clone().requires_grad_()
+    (got,) = torch.autograd.grad(outer(A, step), A)
+    assert rel_err(got, want) < RTOL
+
+
+def test_compiled_func_grad_under_no_grad_keeps_the_kernels_ops():
+    """Factors that require grad but a grad level entered under no_grad: no outer autograd, so the
+    compiled backward stays on the registered ops (not the differentiable reference)."""
+    base = tiny_llama(layers=1).requires_grad_(False)
+    ad = _tracked(random_adapter(base, ["q_proj", "down_proj"]))
+    ids = token_batch()
+    backend, ops = fastaf_ops_backend()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    with torch.no_grad():
+        grads, _ = torch.compile(torch.func.grad_and_value(loss), fullgraph=True, backend=backend)(ad)
+    assert ops == {"lora_linear_fwd": 2, "lora_linear_bwd": 2}, ops
+    want = torch.func.grad(loss)(ad)
+    assert all(rel_err(g, w) < RTOL for g, w in zip(pytree.tree_leaves(grads), pytree.tree_leaves(want)))
+    assert not any(g.requires_grad for g in pytree.tree_leaves(grads))
+
+
 def test_func_grad_keeps_its_fast_path_when_nothing_is_tracked_beneath(monkeypatch):
     """Unfrozen base weights (every activation requires grad beneath) do not send eager
     torch.func.grad off the one-node path: only factors that require grad do."""

@@ -476,3 +476,56 @@ def test_gpu_training_steps_replaying_launch_graphs_equal_launching(monkeypatch)
     assert want_losses[-1] < want_losses[0]  # the loop trains: the factors move
     for g, w in zip(got, want):
         assert_close(g.detach(), w.detach().double(), torch.bfloat16, f"factor after {len(got_losses)} steps")
+
+
+def test_aot_autograd_cache_serves_a_compiled_fastaf_step_again():
+    """A compiled forward + backward through every traced Function (siblings' shared h and given
+    h, a lone layer) compiled again after dynamo and the in-memory code caches are cleared, as in
+    a new process: AOTAutograd's cache serves it (it bypassed fastaf's opaque calls before stop
+    37), with the same loss and gradients."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import codecache, utils as inductor_utils
+
+    from tests._models import random_adapter, tiny_llama, token_batch
+
+    fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    base = tiny_llama(layers=1)
+    ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "down_proj"])
+    leaves = [t.detach().requires_grad_() for t in torch.utils._pytree.tree_leaves(ad)]
+    adapter = torch.utils._pytree.tree_unflatten(leaves, torch.utils._pytree.tree_structure(ad))
+    ids = token_batch()
+    runs = []
+    with fresh_cache(), torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            codecache.PyCodeCache.cache_clear(purge=True)
+            counters.clear()
+            step = torch.compile(lambda i: fa.functional_call(base, adapter, (i,), {"labels": i}).loss, fullgraph=True)
+            loss = step(ids)
+            runs.append((dict(counters["aot_autograd"]), loss.detach(), torch.autograd.grad(loss, leaves)))
+    torch._dynamo.reset()
+    (first, loss0, grads0), (second, loss1, grads1) = runs
+    assert first.get("autograd_cache_miss") == 1 and second.get("autograd_cache_hit") == 1, (first, second)
+    assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
+def test_double_backward_through_chained_layers_equals_torch(lead):
+    """Plain autograd's create_graph through two chained layers: d/dA1 of |dL/dA2|^2 runs through
+    the second layer's input. Until stop 37 a 3-D input lost that term (the layer saved its input
+    reshaped where grad was off)."""
+    g = torch.Generator().manual_seed(0)
+    K, r = 8, 2
+    w1, w2 = torch.randn(K, K, generator=g), torch.randn(K, K, generator=g)
+    factors = [torch.randn(r, K, generator=g), torch.randn(K, r, generator=g)] * 2
+    x = torch.randn(*lead, K, generator=g)
+
+    def second(layer):
+        a1, b1, a2, b2 = (t.clone().requires_grad_() for t in factors)
+        y = layer(torch.tanh(layer(x, w1, a1, b1)), w2, a2, b2)
+        (da2,) = torch.autograd.grad(y.pow(3).sum(), a2, create_graph=True)
+        return torch.autograd.grad(da2.square().sum(), a1)[0]
+
+    got = second(lambda x, w, a, b: lora_linear(x, w, None, fa.LoRA(a, b, 1.5)))
+    want = second(lambda x, w, a, b: x @ w.T + 1.5 * (x @ a.T) @ b.T)
+    assert_close(got, want, torch.float32, "d/dA1 of |dL/dA2|^2")
