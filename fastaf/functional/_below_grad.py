@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._lora_linear import tracked_beneath
+from ._transforms import tracked_beneath
 
 _functorch = torch._C._functorch
 _is_wrapped = _functorch.is_functorch_wrapped_tensor

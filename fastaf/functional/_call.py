@@ -51,7 +51,8 @@ from ._adapter import Adapter, LoRA
 from . import _carrier, _group
 from . import _rules as rules
 from ._below_grad import call_below, grad_level, inputs_tracked
-from ._lora_linear import IMPLS, routed_lora_linear, tracked_call
+from ._lora_linear import IMPLS, routed_lora_linear
+from ._transforms import tracked_call
 from ._modules import LinearSpec, ParamSpec, compiled_class, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels._dispatch import atomics_ok
-from ._lora_linear import _check_use, _direct_level, _differentiated, _use_triton, reference_bwd
+from ._lora_linear import _check_use, _use_triton, reference_bwd
+from ._transforms import _differentiated, _direct_level
 from ._siblings import _flat
 
 GROUP = True

@@ -10,7 +10,8 @@ Layers of this file, bottom up:
    ``backward``, ``vmap``) joining the two ops. Not ``register_autograd``: that form fails under
    ``torch.func.grad`` on torch 2.11 (DESIGN.md, known traps). Plain eager calls and one eager
    ``torch.func.grad`` level take ``_LoRALinearDirect`` instead: the same implementations and
-   VJP without the group axis, whose views and casts cost host time at small M.
+   VJP without the group axis, whose views and casts cost host time at small M. Which one a call
+   takes, and when a backward must be differentiable, is ``_transforms``' to say.
 4. ``lora_linear``, the public function.
 
 Inside the ops every tensor carries a leading *group* axis, so one op call serves one adapter
@@ -32,11 +33,6 @@ recomputes the mask and the Triton kernels match this reference bit for bit.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import threading
-import warnings
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -45,6 +41,8 @@ from torch import Tensor
 from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
+from ._transforms import (_CALL, _apply_single_level, _differentiated, _direct_level, _direct_ok, _functorch,
+                          _higher_order_traced, _traced_apply)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -315,183 +313,6 @@ def _(info, in_dims, dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, i
 # ---- 3. the differentiable op -----------------------------------------------------------------
 
 
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-_functorch = torch._C._functorch
-_is_wrapped = _functorch.is_functorch_wrapped_tensor
-_GRAD, _JVP, _VMAP = _functorch.TransformType.Grad, _functorch.TransformType.Jvp, _functorch.TransformType.Vmap
-
-
-def _traced() -> bool:
-    """A tracer (torch.compile) or a dispatch mode is watching: they must see the registered op."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-
-
-def _direct_ok(*tensors: Optional[Tensor]) -> bool:
-    """True when the op implementations may be called directly instead of through the dispatcher.
-
-    Only tracers (``torch.compile``), dispatch modes and functorch-*wrapped* tensors (vmap's
-    batched tensors, which need the ops' vmap rules) need the registered op. The dispatcher's
-    Python custom-op path costs ~150 us of host time per call on the H200 machine, ~17 ms per
-    step for the 112 adapted layers of a 1B model.
-    """
-    if _traced():
-        return False
-    for t in tensors:  # a loop, not all(genexpr): this runs per op call on the host's hot path
-        if t is not None and (type(t) not in _PLAIN_TYPES or _is_wrapped(t)):
-            return False
-    return True
-
-
-def _direct_level(*tensors: Optional[Tensor], factors: tuple = (), weight: Optional[Tensor] = None,
-                  x: Optional[Tensor] = None) -> int:
-    """Where ``_LoRALinearDirect`` can serve: 0 in plain eager autograd, the grad level when the
-    innermost transform is the only ``torch.func.grad`` (vmap levels below it are fine), else -1.
-
-    Above one grad level (grad of grad, jvp), or where plain autograd records beneath the level
-    (``tracked_beneath`` of the layer's ``factors``, ``weight`` and input ``x``), the op needs functorch's generic handling of ``_LoRALinearFn``, which
-    differentiates through the backward; it costs ~0.5-1 ms of host time per call (a new Function
-    class per call), so first-order grad, the common case, skips it.
-    """
-    if _traced():
-        return -1  # tracers see _LoRALinearFn and the registered ops
-    stack = _functorch.get_interpreter_stack()
-    if not stack:
-        return 0 if _direct_ok(*tensors) else -1
-    if stack[-1].key() != _GRAD or sum(i.key() in (_GRAD, _JVP) for i in stack) != 1:
-        return -1
-    return -1 if tracked_beneath(factors, weight, (x,)) else stack[-1].level()
-
-
-@torch.compiler.assume_constant_result
-def _traced_levels() -> tuple[int, int]:
-    """(vmap levels active, derivative levels: grad or jvp). Dynamo runs it once while tracing and
-    keeps the result as a constant: torch 2.11 refuses to trace the interpreter stack queries
-    (skipped functions), and the transforms of a traced function are fixed by its code (dynamo
-    traces no function called under levels opened outside it)."""
-    stack = _functorch.get_interpreter_stack() or ()
-    return sum(i.key() == _VMAP for i in stack), sum(i.key() in (_GRAD, _JVP) for i in stack)
-
-
-def _higher_order_traced() -> bool:
-    """Two or more derivative levels (grad of grad, jvp of grad) inside ``torch.compile``.
-
-    There the op runs as its torch reference: the Functions' backwards are not differentiable
-    under compile (``_differentiated`` cannot see the outer level there; compiled grad of grad
-    gave zero second derivatives on the Function), and the reference is plain torch that every
-    transform and Inductor handle. ``vmap(grad)`` keeps the Function and its vmap rule (opaque to
-    dynamo since ``_traced_apply``; before it, pytorch#129845 made dynamo's template of a traced
-    Function unvmappable, and this held for every two transforms).
-    """
-    return torch.compiler.is_compiling() and _traced_levels()[1] >= 2
-
-
-def _vmapped_traced() -> bool:
-    """A vmap level inside ``torch.compile``: siblings' shared-h Functions have no vmap rule."""
-    return torch.compiler.is_compiling() and _traced_levels()[0] > 0
-
-
-def _bottom(t: Tensor) -> Tensor:
-    """``t`` with every functorch wrapper (grad levels, vmap levels) taken off."""
-    while _is_wrapped(t):
-        t = _functorch.get_unwrapped(t)
-    return t
-
-
-def _requires_grad_beneath(t: Optional[Tensor]) -> bool:
-    return t is not None and _bottom(t).requires_grad
-
-
-def _op_tracked(factors: tuple, weight: Optional[Tensor], activations: tuple) -> bool:
-    """One layer's own sign that plain autograd records beneath the transforms: one of its LoRA
-    ``factors`` requires grad there, or, unless its ``weight`` requires grad, one of its
-    ``activations`` does (through another layer's factors or a tracked input). An unfrozen
-    weight makes every activation require grad, in every step: no sign then. (No weight: the
-    activations count.)"""
-    if any(_requires_grad_beneath(f) for f in factors):
-        return True
-    return not _requires_grad_beneath(weight) and any(map(_requires_grad_beneath, activations))
-
-
-def _entered_in_grad_mode() -> Optional[bool]:
-    """Whether the outermost grad level was entered in grad mode (None: no grad level)."""
-    outer = next((i for i in _functorch.get_interpreter_stack() or () if i.key() == _GRAD), None)
-    return None if outer is None else _functorch.CGradInterpreterPtr(outer).prevGradMode()
-
-
-class _CallState(threading.local):
-    tracked = False  # functional_call's inputs are tracked beneath (``tracked_call``)
-
-
-_CALL = _CallState()
-
-
-@contextlib.contextmanager
-def tracked_call():
-    """Every op in the block takes the exact path beneath the transforms (``tracked_beneath``):
-    ``functional_call`` enters it when one of its inputs is tracked, so a layer whose own factors
-    and weights give no sign (an unfrozen base) still leaves its graph beneath."""
-    previous, _CALL.tracked = _CALL.tracked, True
-    try:
-        yield
-    finally:
-        _CALL.tracked = previous
-
-
-def tracked_beneath(factors: tuple = (), weight: Optional[Tensor] = None, activations: tuple = (),
-                    *, inputs: tuple = ()) -> bool:
-    """Plain autograd records beneath the torch.func transforms, eagerly: the outermost grad level
-    was entered in grad mode, and a call's ``inputs`` or a layer (``_op_tracked``) shows it. That
-    is ``torch.autograd`` over ``torch.func.grad``'s result (MAML's outer step): the ops under the
-    level must then leave their graph beneath it, and their backward must be differentiable."""
-    if not _entered_in_grad_mode():
-        return False
-    if _CALL.tracked or any(map(_requires_grad_beneath, inputs)) or _op_tracked(factors, weight, activations):
-        _warn_tracked()
-        return True
-    return False
-
-
-_warned_tracked = False
-
-
-def _warn_tracked() -> None:
-    global _warned_tracked
-    if _warned_tracked:
-        return
-    _warned_tracked = True
-    warnings.warn(
-        "fastaf: tensors that require grad reach its ops beneath torch.func's grad level (LoRA factors, "
-        "inputs or activations): fastaf keeps plain autograd's graph beneath the level on its exact, "
-        "slower per-layer path, so that torch.autograd over the result is exact (MAML). Pass detached "
-        "tensors to torch.func if you do not differentiate its result again.",
-        stacklevel=3,
-    )
-
-
-def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor] = None, x: Optional[Tensor] = None,
-                    call: bool = False) -> bool:
-    """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
-    is active (one level's backward runs with create_graph, which alone needs no higher order) or
-    plain autograd records beneath the levels (``tracked_beneath``; ``call``: the forward ran in
-    a ``tracked_call``); under plain autograd, create_graph (the engine runs a backward in grad
-    mode exactly then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x
-    still depends on B.
-
-    Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
-    create_graph; the joint's first-order backward runs without), under a grad level entered in
-    grad mode, where the layer shows plain autograd beneath (``_op_tracked``), as an outer
-    autograd over a compiled ``torch.func.grad`` asks. ``functional_call``'s inputs are not seen
-    there: with an unfrozen base, a layer whose own factors are not tracked runs first order."""
-    if torch.compiler.is_compiling():
-        return (torch.is_grad_enabled() and _entered_in_grad_mode() is not False
-                and _op_tracked(factors, weight, (x, dy)))
-    stack = _functorch.get_interpreter_stack()
-    if stack:
-        levels = sum(i.key() in (_GRAD, _JVP) for i in stack)
-        return levels >= 2 or call or tracked_beneath(factors, weight, (x, dy))
-    return torch.is_grad_enabled()
-
-
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Reduce a per-group gradient (G, ...) to an input that broadcast over groups (1, ...)."""
     return grad.sum(0, keepdim=True) if grad.shape[0] != shape[0] else grad
@@ -559,55 +380,6 @@ class _LoRALinearFn(torch.autograd.Function):
         )
         out = _LoRALinearFn.apply(x, weight, bias, a, b, scale, dropout_p, seed, impl)
         return _unfold(info.batch_size, out)
-
-
-def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
-    """``fn.apply`` as one opaque call to dynamo (``torch.compiler.allow_in_graph``), to be bound
-    in ``fn``'s module as ``<fn name>_apply``.
-
-    Dynamo would otherwise speculate ``fn``'s forward and backward as bytecode at every adapted
-    layer. Opaque, AOTAutograd traces ``fn`` itself, on fake tensors, into the same graphs (the
-    forward's and backward's registered ops). On the H100 host (torch 2.11) the 1B model's
-    compiled ``grad_and_value`` step took 45-46 s to trace before, 31-36 s after (dynamo and
-    AOTAutograd; 58 s against 100 s with Inductor), with equal step times. Eagerly it is
-    ``fn.apply`` behind one more Python call (the paths that reach a Function eagerly, vmap and
-    grad of grad, are not the host-bound ones); under ``backend="eager"`` the call runs eagerly,
-    on the direct path.
-    """
-    def apply(*args: Any) -> Any:
-        return fn.apply(*args)
-
-    # named as the caller binds it, in fn's module: AOTAutograd's cache pickles the graphs' calls
-    # by module and name, which must find this very function
-    apply.__name__ = apply.__qualname__ = f"{fn.__name__}_apply"
-    apply.__module__ = fn.__module__
-    _mark_cacheable(apply)
-    return torch.compiler.allow_in_graph(apply)
-
-
-def _mark_cacheable(apply: Any) -> None:
-    """Let AOTAutograd's cache keep the graphs that call ``apply``, keyed by fastaf's source.
-
-    AOTAutograd caches only graphs whose calls it can vouch for; an opaque function it cannot,
-    so every compiled fastaf forward+backward was traced again in each new process (on the CPU,
-    a 1-layer model's warm first step 6.7 s against the base model's 3.7-4.1 s). What ``apply``
-    traces to is fixed by its inputs (in the cache key), the grad mode and fastaf's code: the key
-    given here is a hash of that code, so an edited or upgraded fastaf misses. Kernel choices
-    are made inside the registered ops when they run, not in the cached graphs."""
-    marked = getattr(getattr(torch, "_inductor").config, "unsafe_marked_cacheable_functions", None)
-    if isinstance(marked, dict):  # torch's hook for exactly this (a name -> key dict since 2.6)
-        marked[f"{apply.__module__}.{apply.__name__}"] = _source_key()
-
-
-@functools.cache
-def _source_key() -> str:
-    """sha256 of fastaf's Python sources (the functional core and the kernels), read once."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted((*root.glob("functional/*.py"), *root.glob("kernels/*.py"))):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return f"fastaf-{digest.hexdigest()[:16]}"
 
 
 def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -746,41 +518,8 @@ def _unflatten(y: Tensor, x: Tensor) -> Tensor:
     return _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
 _direct_apply = _LoRALinearDirect.apply  # the C apply: no functorch dispatch, no argument binding
 _LoRALinearFn_apply = _traced_apply(_LoRALinearFn)
-_single_level_allowed = _functorch.get_single_level_autograd_function_allowed
-_allow_single_level = _functorch.set_single_level_autograd_function_allowed
-
-
-def _apply_single_level(apply: Any, level: int, *args: Any) -> Any:
-    """``apply(level, *args)`` of a ``_SingleLevelFunction`` at grad level ``level`` (0: none)."""
-    if not level:
-        return apply(0, *args)
-    # functorch refuses a _SingleLevelFunction under its transforms unless this flag is set;
-    # it is set for this one call, as functorch's own grad rule does
-    previous = _single_level_allowed()
-    _allow_single_level(True)
-    try:
-        return apply(level, *args)
-    finally:
-        _allow_single_level(previous)
-
-
 def _apply_direct(level: int, *args: Any) -> Tensor:
     return _apply_single_level(_direct_apply, level, *args)
-
-
-@contextlib.contextmanager
-def _below(level: int, *tensors: Optional[Tensor]):
-    """Yield ``tensors`` unwrapped at grad level ``level`` and run the body below that level (its
-    layer popped: new tensors come out plain), as ``_LoRALinearDirect`` does; level 0: as given."""
-    if not level:
-        yield tensors
-        return
-    unwrapped = tuple(None if t is None else _functorch._unwrap_for_grad(t, level) for t in tensors)
-    layer = _functorch.pop_dynamic_layer_stack()
-    try:
-        yield unwrapped
-    finally:
-        _functorch.push_dynamic_layer_stack(layer)
 
 
 # ---- 4. public function -----------------------------------------------------------------------

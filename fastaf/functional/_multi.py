@@ -27,8 +27,9 @@ from torch import Tensor
 
 from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
-from ._lora_linear import (_CALL, _VMAP, IMPLS, _apply_single_level, _autocast, _below, _differentiated,
-                           _direct_level, _direct_ok, _functorch, _traced_apply)
+from ._lora_linear import IMPLS, _autocast
+from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
+                          _functorch, _traced_apply)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 

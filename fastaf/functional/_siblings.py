@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._adapter import LoRA
-from ._lora_linear import (_OP_DTYPES, _apply_single_level, _as_dtype, _autocast, _below, _check,
-                           _differentiated, _direct_level, _direct_ok, _functorch, _higher_order_traced, _kernels,
-                           _traced_apply, _unflatten, _use_triton, _vjp_weight_bias, _vmapped_traced)
+from ._lora_linear import (_OP_DTYPES, _as_dtype, _autocast, _check, _kernels, _unflatten, _use_triton,
+                           _vjp_weight_bias)
+from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _functorch,
+                          _higher_order_traced, _traced_apply, _vmapped_traced)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
