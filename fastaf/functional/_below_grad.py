@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._transforms import tracked_beneath
+from ._transforms import _entered_in_grad_mode, tracked_beneath
 
 _functorch = torch._C._functorch
 _is_wrapped = _functorch.is_functorch_wrapped_tensor
@@ -190,9 +190,12 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
             # functorch's vjp_fn runs this after its level has left the stack: nothing to pop then
             stack = _functorch.get_interpreter_stack()
             layer = _functorch.pop_dynamic_layer_stack() if stack and stack[-1].level() == ctx.level else None
+            # a cotangent that plain autograd records beneath the level (MAML's outer objective
+            # through a head outside the call): the inner backward must be differentiable in it
+            create_graph = any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False
             try:
                 found = torch.autograd.grad([t for t, _ in pairs], needs, [g for _, g in pairs],
-                                            retain_graph=True, allow_unused=True)
+                                            retain_graph=True, allow_unused=True, create_graph=create_graph)
             finally:
                 if layer is not None:
                     _functorch.push_dynamic_layer_stack(layer)

@@ -41,8 +41,8 @@ from torch import Tensor
 from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
-from ._transforms import (_CALL, _apply_single_level, _differentiated, _direct_level, _direct_ok, _functorch,
-                          _higher_order_traced, _traced_apply)
+from ._transforms import (_CALL, _apply_single_level, _differentiated, _direct_level, _direct_ok, _double_backward,
+                          _functorch, _higher_order_traced, _traced_apply, tracked_beneath, tracked_call)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -447,6 +447,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
             ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
             # level 0: lora_linear's _direct_level found the operands plain already
             ctx.triton = (not level or _direct_ok(x2, weight, bias, a, b)) and _use_triton(impl, x2)
+            factors = a, b
             if not ctx.triton:  # the kernels read fp32 master factors as they are; torch casts
                 a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (R, K), (N, R)
             else:
@@ -458,9 +459,11 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         finally:
             if saved_layer is not None:
                 _functorch.push_dynamic_layer_stack(saved_layer)
-        # x as it came, not x2: a double backward's reshape of it is then part of the graph (a 3-D
-        # x reshaped in here, where grad is off, lost every term through x)
-        ctx.save_for_backward(x, weight, a, b, h, seed)
+        # x as it came, not x2, and the factors as they came where they were cast: a double
+        # backward's reshape and casts of them are then part of its graph (made in here, where grad
+        # is off, they lost every term through x, and through fp32 master factors)
+        cast = factors if factors[0] is not a or factors[1] is not b else ()
+        ctx.save_for_backward(x, weight, a, b, h, seed, *cast)
         ctx.level, ctx.scale, ctx.dropout_p, ctx.impl = level, scale, dropout_p, impl
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
@@ -469,23 +472,24 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 10
-        x, weight, a, b, h, seed = ctx.saved_tensors
+        x, weight, a, b, h, seed, *factors = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
+        # Under a grad level functorch runs backward with create_graph; this VJP is first order
+        # there unless a cotangent is tracked beneath. Plain autograd's double backward
+        # (create_graph) takes the reference's ops, differentiable, with h recomputed from x.
+        double = _double_backward(ctx.level, dy)
         saved_layer = None
         if ctx.level:
             dy = _functorch._unwrap_for_grad(dy, ctx.level)
             saved_layer = _functorch.pop_dynamic_layer_stack()
-        # Under a grad level functorch runs backward with create_graph; this VJP is first order
-        # there. Plain autograd's double backward (create_graph) takes the reference's ops,
-        # differentiable, with h recomputed from x.
-        double = not ctx.level and _differentiated(dy)
         # plain autograd runs a first-order backward with grad off already: no scope to enter
-        scope = torch.no_grad() if not double and torch.is_grad_enabled() else _NO_SCOPE
+        scope = torch.enable_grad() if double else torch.no_grad() if torch.is_grad_enabled() else _NO_SCOPE
         try:
             with scope:
                 dy2 = dy if dy.dim() == 2 else dy.reshape(-1, weight.shape[0])  # (M, N)
                 x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
                 if double:
+                    a, b = factors or (a, b)
                     a, b = _as_dtype(a, x2.dtype), _as_dtype(b, x2.dtype)  # saved as they came (kernels)
                     keep = _dropout_scale(x2[None], ctx.dropout_p, seed)
                     h = (x2 if keep is None else x2 * keep[0]) @ a.T
@@ -610,6 +614,9 @@ def lora_linear(
     x, weight, bias = _autocast(x, weight, bias)
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
+        if _functorch.get_interpreter_stack() and tracked_beneath(inputs=(x, weight, bias, lora.A, lora.B)):
+            with tracked_call():  # its operands are the call's inputs: exact beneath the levels
+                return _lora_linear(x, weight, bias, lora, impl, training)
     return _lora_linear(x, weight, bias, lora, impl, training)
 
 
@@ -650,4 +657,6 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         impl,
     )
     y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else _LoRALinearFn_apply(*args)
-    return y.reshape(*lead, weight.shape[0])
+    # not a view for autograd: models modify a layer's output in place (Falcon), which autograd
+    # forbids on a view of a custom Function's output (see _unflatten)
+    return _unsafe_view(y, (*lead, weight.shape[0]))

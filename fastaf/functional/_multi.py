@@ -18,7 +18,6 @@ LoRA dropout in training takes the reference (a fresh torch dropout mask per cal
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _functorch, _traced_apply)
+                          _double_backward, _functorch, _traced_apply)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -222,8 +221,8 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, a, b, h, ids = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
-        double = not ctx.level and _differentiated(dy)  # autograd's double backward: differentiable reference
-        with _below(ctx.level, dy) as (dy,), (contextlib.nullcontext() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, dy)  # differentiable reference
+        with _below(ctx.level, dy) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             if double:
                 dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
             else:

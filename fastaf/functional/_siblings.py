@@ -23,7 +23,6 @@ Only ``functional_call`` uses these, for siblings it has seen take the same x ob
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -34,8 +33,8 @@ from torch import Tensor
 from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _as_dtype, _autocast, _check, _kernels, _unflatten, _use_triton,
                            _vjp_weight_bias)
-from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _functorch,
-                          _higher_order_traced, _traced_apply, _vmapped_traced)
+from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _double_backward,
+                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -191,8 +190,8 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         if all(d is None for d in dhs):
             return (None,) * (4 + len(dhs))
         # differentiated when any sibling's dh carries history (another's may be a constant)
-        double = not ctx.level and any(d is not None and _differentiated(d) for d in dhs)
-        with _below(ctx.level, *dhs) as dhs, (contextlib.nullcontext() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, *dhs)
+        with _below(ctx.level, *dhs) as dhs, (torch.enable_grad() if double else torch.no_grad()):
             x2 = _flat(x)
             dh = _cat_grads(dhs, ctx.ranks, x2)
             da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.ranks[0], ctx.impl)
@@ -252,8 +251,8 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, h, a, b = ctx.saved_tensors
         need_x, need_w, need_bias, need_h, _, need_b = ctx.needs_input_grad[1:7]
-        double = not ctx.level and _differentiated(dy)
-        with _below(ctx.level, dy) as (dy,), (contextlib.nullcontext() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, dy)
+        with _below(ctx.level, dy) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             dy2, x2 = _flat(dy), _flat(x)
             if double:
                 dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, _recomputed_h(x2, a), ctx.scale, need_x)

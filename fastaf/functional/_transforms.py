@@ -202,6 +202,17 @@ def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor]
     return torch.is_grad_enabled()
 
 
+def _double_backward(level: int, *cotangents: Optional[Tensor]) -> bool:
+    """A single-level Function's backward must be differentiable: at level 0, plain autograd's
+    create_graph (``_differentiated``); beneath grad level ``level``, a cotangent that plain
+    autograd records beneath it (an outer objective through a head outside the call: functorch's
+    generic rule would differentiate the backward there). Ask it with the level still on the
+    stack; compute such a backward below the level in grad mode."""
+    if not level:
+        return any(c is not None and _differentiated(c) for c in cotangents)
+    return _entered_in_grad_mode() is not False and any(map(_requires_grad_beneath, cotangents))
+
+
 def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
     """``fn.apply`` as one opaque call to dynamo (``torch.compiler.allow_in_graph``), to be bound
     in ``fn``'s module as ``<fn name>_apply``.

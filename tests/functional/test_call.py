@@ -280,6 +280,48 @@ def test_plain_autograd_over_func_grad_with_one_factor_tracked(compiled):
     assert rel_err(got, want) < RTOL
 
 
+@pytest.mark.parametrize("vmapped", [False, True], ids=["grad", "vmap(grad)"])
+def test_plain_autograd_through_a_head_outside_the_call(vmapped):
+    """The meta-parameter is a head applied outside functional_call (untracked factors): it
+    reaches fastaf only through the cotangent, and the backward beneath the level must be
+    differentiable in it, on the one-node path (grad) and the per-layer one (vmap(grad))."""
+    base = tiny_llama(layers=1).requires_grad_(False)
+    ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "down_proj"])
+    ids = torch.stack([token_batch(seed=s) for s in range(2)])
+    head = torch.randn(32, 32, generator=torch.Generator().manual_seed(3)) * 0.3
+
+    def inner(a, i, h):
+        hidden = fa.functional_call(base, a, (i,), {"output_hidden_states": True}).hidden_states[-1]
+        return (hidden @ h).square().mean()
+
+    def outer(h):
+        step = torch.func.grad_and_value(inner)
+        if vmapped:
+            grads, loss = torch.func.vmap(step, in_dims=(None, 0, None))(ad, ids, h)
+        else:
+            grads, loss = step(ad, ids[0], h)
+        return loss.sum() + sum(t.square().sum() for t in pytree.tree_leaves(grads))
+
+    want = torch.func.grad(outer)(head)
+    tracked = head.clone().requires_grad_()
+    (got,) = torch.autograd.grad(outer(tracked), tracked)
+    assert rel_err(got, want) < RTOL
+
+
+def test_plain_autograd_over_func_grad_on_falcon():
+    """Falcon adds into a layer's output in place: the per-layer path's output must not be a view
+    of a custom Function's output (MAML and grad of grad raised until stop 37)."""
+    base = tiny_falcon(layers=1)
+    ad = random_adapter(base, ["query_key_value", "dense_4h_to_h"])
+    ids = token_batch()
+    q = "transformer.h.0.self_attention.query_key_value"
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    want = torch.func.grad(lambda a: torch.func.grad(loss)(a)[q].A.square().sum())(ad)[q].A
+    leaves = _tracked(ad)
+    (got,) = torch.autograd.grad(torch.func.grad(loss)(leaves)[q].A.square().sum(), leaves[q].A)
+    assert rel_err(got, want) < RTOL
+
+
 def test_compiled_func_grad_under_no_grad_keeps_the_kernels_ops():
     """Factors that require grad but a grad level entered under no_grad: no outer autograd, so the
     compiled backward stays on the registered ops (not the differentiable reference)."""

@@ -509,23 +509,46 @@ def test_aot_autograd_cache_serves_a_compiled_fastaf_step_again():
     assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
 
 
-@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
-def test_double_backward_through_chained_layers_equals_torch(lead):
-    """Plain autograd's create_graph through two chained layers: d/dA1 of |dL/dA2|^2 runs through
-    the second layer's input. Until stop 37 a 3-D input lost that term (the layer saved its input
-    reshaped where grad was off)."""
+@pytest.mark.parametrize("lead,factor_dtype", [((6,), torch.float32), ((2, 3), torch.float32), ((6,), torch.float64)],
+                         ids=["2d", "3d", "fp64-factors"])
+def test_double_backward_through_chained_layers_equals_torch(lead, factor_dtype):
+    """Plain autograd's create_graph through two chained layers: d/d(A1, A2, B2) of |dL/dA2|^2;
+    the A1 term runs through the second layer's input. Until stop 37 a 3-D input lost that term (the layer saved its input
+    reshaped where grad was off), and factors in another dtype than x lost the terms through
+    them (saved cast, likewise)."""
     g = torch.Generator().manual_seed(0)
     K, r = 8, 2
     w1, w2 = torch.randn(K, K, generator=g), torch.randn(K, K, generator=g)
-    factors = [torch.randn(r, K, generator=g), torch.randn(K, r, generator=g)] * 2
+    factors = [torch.randn(r, K, generator=g, dtype=factor_dtype), torch.randn(K, r, generator=g, dtype=factor_dtype)] * 2
     x = torch.randn(*lead, K, generator=g)
 
     def second(layer):
         a1, b1, a2, b2 = (t.clone().requires_grad_() for t in factors)
         y = layer(torch.tanh(layer(x, w1, a1, b1)), w2, a2, b2)
         (da2,) = torch.autograd.grad(y.pow(3).sum(), a2, create_graph=True)
-        return torch.autograd.grad(da2.square().sum(), a1)[0]
+        return torch.cat([g.flatten() for g in torch.autograd.grad(da2.square().sum(), (a1, a2, b2))])
 
     got = second(lambda x, w, a, b: lora_linear(x, w, None, fa.LoRA(a, b, 1.5)))
-    want = second(lambda x, w, a, b: x @ w.T + 1.5 * (x @ a.T) @ b.T)
-    assert_close(got, want, torch.float32, "d/dA1 of |dL/dA2|^2")
+    want = second(lambda x, w, a, b: x @ w.T + 1.5 * (x @ a.to(x.dtype).T) @ b.to(x.dtype).T)
+    assert_close(got, want, torch.float32, "d/d(A1, A2, B2) of |dL/dA2|^2")
+
+
+def test_public_op_is_exact_under_plain_autograd_over_func_grad():
+    """lora_linear called directly, unfrozen weights, only the first layer's A a meta-parameter:
+    the op's operands decide, as functional_call's inputs do (1.52 off before)."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(8, 8, generator=g).requires_grad_() for _ in range(2))
+    a1, b1, a2, b2 = (torch.randn(*s, generator=g) for s in ((2, 8), (8, 2), (2, 8), (8, 2)))
+    x = torch.randn(3, 5, 8, generator=g)
+
+    def loss(rest, a1):
+        first, second = fa.LoRA(a1, rest[0], 1.0), fa.LoRA(rest[1], rest[2], 1.0)
+        return lora_linear(torch.tanh(lora_linear(x, w1, None, first)), w2, None, second).square().sum()
+
+    def outer(a1):
+        return sum(t.square().sum() for t in torch.func.grad(loss)((b1, a2, b2), a1))
+
+    want = torch.func.grad(outer)(a1)
+    tracked = a1.clone().requires_grad_()
+    (got,) = torch.autograd.grad(outer(tracked), tracked)
+    assert_close(got, want, torch.float32, "d outer / d A1")
