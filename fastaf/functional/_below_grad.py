@@ -30,11 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._transforms import _entered_in_grad_mode, tracked_beneath
-
-_functorch = torch._C._functorch
-_is_wrapped = _functorch.is_functorch_wrapped_tensor
-_GRAD = _functorch.TransformType.Grad
+from ._transforms import _GRAD, _entered_in_grad_mode, _functorch, _is_wrapped
 
 # Whether functional_call may run below a single grad level (benchmarks flip it for an A/B in
 # one process; the per-op path stays correct either way).
@@ -51,7 +47,7 @@ def grad_level(model: nn.Module, inputs: Any) -> int:
     grad level, at least one input wrapped at that level, every wrapped input at that level and
     visible to pytree, no wrapped parameter or buffer in the model (an outer
     ``torch.func.functional_call`` differentiating the base weights), and no input that plain
-    autograd records beneath the level (``inputs_tracked``: ``torch.autograd`` over the grad's
+    autograd records beneath the level (``tracked_scope``: ``torch.autograd`` over the grad's
     result, as in MAML, needs the per-op path's graph beneath; this node's inner graph starts from
     fresh leaves).
     """
@@ -75,20 +71,12 @@ def grad_level(model: nn.Module, inputs: Any) -> int:
                 tracked = tracked or (beneath and leaf.requires_grad)
         elif not isinstance(leaf, _ATOMS) and any(_is_wrapped(t) for _, _, t in _hidden_tensors(leaf)):
             return 0  # e.g. a Cache filled under this level: it cannot be unwrapped from outside
-    if not found or tracked:  # tracked: inputs_tracked's case
+    if not found or tracked:  # tracked: functional_call's tracked_scope serves the call
         return 0
     for t in _module_tensors(model):
         if t is not None and _is_wrapped(t):
             return 0
     return level
-
-
-def inputs_tracked(inputs: Any) -> bool:
-    """Eagerly under a grad level: a tensor among ``inputs`` requires grad beneath the transforms
-    (``tracked_beneath``), so every op of the call must leave its graph there (``tracked_call``)."""
-    if torch.compiler.is_compiling() or not _functorch.get_interpreter_stack():
-        return False
-    return tracked_beneath(inputs=tuple(t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)))
 
 
 def call_below(level: int, fn: Callable[[Any], Any], inputs: Any) -> Any:

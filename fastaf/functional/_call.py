@@ -50,9 +50,9 @@ from torch.overrides import TorchFunctionMode
 from ._adapter import Adapter, LoRA
 from . import _carrier, _group
 from . import _rules as rules
-from ._below_grad import call_below, grad_level, inputs_tracked
+from ._below_grad import call_below, grad_level
 from ._lora_linear import IMPLS, routed_lora_linear
-from ._transforms import tracked_call
+from ._transforms import tracked_scope
 from ._modules import LinearSpec, ParamSpec, compiled_class, fold_linear, fold_param, linear_spec, param_spec
 from ._multi import check_rows, lora_linear_multi
 from ._siblings import lora_linear_given_h, shareable, shared_h
@@ -774,10 +774,8 @@ def functional_call(
     else:
         run = lambda: model(*args, **kwargs)  # noqa: E731
     batch = _batch_size((args, kwargs)) if adapter_ids is not None else None
-    if inputs_tracked(inputs):  # MAML's outer autograd: every layer leaves its graph beneath the levels
-        with tracked_call():
-            return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
-    return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
+    with tracked_scope(inputs):  # MAML's outer autograd: every layer leaves its graph beneath the levels
+        return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
 
 
 def scoped_call(

@@ -32,7 +32,6 @@ recomputes the mask and the Triton kernels match this reference bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -41,8 +40,8 @@ from torch import Tensor
 from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
-from ._transforms import (_CALL, _apply_single_level, _differentiated, _direct_level, _direct_ok, _double_backward,
-                          _functorch, _higher_order_traced, _traced_apply, tracked_beneath, tracked_call)
+from ._transforms import (_CALL, _NO_SCOPE, _apply_single_level, _differentiated, _direct_level, _direct_ok,
+                          _double_backward, _functorch, _higher_order_traced, _traced_apply, tracked_scope)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -411,7 +410,6 @@ def _direct_bwd(dy2, x2, weight, a, b, h, scale, dropout_p, seed, needs_dx, impl
     return tuple(t[0] for t in out)
 
 
-_NO_SCOPE = contextlib.nullcontext()  # stateless: one instance serves every call and thread
 
 
 class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
@@ -614,9 +612,8 @@ def lora_linear(
     x, weight, bias = _autocast(x, weight, bias)
     if not torch.compiler.is_compiling():
         _check(x, weight, bias, lora, impl, where)
-        if _functorch.get_interpreter_stack() and tracked_beneath(inputs=(x, weight, bias, lora.A, lora.B)):
-            with tracked_call():  # its operands are the call's inputs: exact beneath the levels
-                return _lora_linear(x, weight, bias, lora, impl, training)
+        with tracked_scope((x, weight, bias, lora.A, lora.B)):  # its operands are the call's inputs
+            return _lora_linear(x, weight, bias, lora, impl, training)
     return _lora_linear(x, weight, bias, lora, impl, training)
 
 

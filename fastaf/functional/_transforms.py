@@ -4,8 +4,8 @@
   (``_direct_ok``), at which grad level a single-level Function serves (``_direct_level``), how
   many levels a traced function runs under (``_traced_levels``).
 - Plain autograd beneath the levels (MAML's outer step over ``torch.func.grad``):
-  ``tracked_beneath``, ``tracked_call``, and ``_differentiated``, which tells a backward to be
-  differentiable.
+  ``tracked_beneath``, ``tracked_call`` / ``tracked_scope``, and ``_differentiated``, which
+  tells a backward to be differentiable.
 - Running below a grad level (``_below``, ``_apply_single_level``) and handing a Function to
   dynamo as one opaque, cacheable call (``_traced_apply``).
 
@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 _functorch = torch._C._functorch
@@ -58,9 +59,10 @@ def _direct_level(*tensors: Optional[Tensor], factors: tuple = (), weight: Optio
     innermost transform is the only ``torch.func.grad`` (vmap levels below it are fine), else -1.
 
     Above one grad level (grad of grad, jvp), or where plain autograd records beneath the level
-    (``tracked_beneath`` of the layer's ``factors``, ``weight`` and input ``x``), the op needs functorch's generic handling of ``_LoRALinearFn``, which
-    differentiates through the backward; it costs ~0.5-1 ms of host time per call (a new Function
-    class per call), so first-order grad, the common case, skips it.
+    (``tracked_beneath`` of the layer's ``factors``, ``weight`` and input ``x``), the op needs
+    functorch's generic handling of ``_LoRALinearFn``, which differentiates through the backward;
+    it costs ~0.5-1 ms of host time per call (a new Function class per call), so first-order
+    grad, the common case, skips it.
     """
     if _traced():
         return -1  # tracers see _LoRALinearFn and the registered ops
@@ -135,6 +137,9 @@ class _CallState(threading.local):
 _CALL = _CallState()
 
 
+_NO_SCOPE = contextlib.nullcontext()  # stateless: one instance serves every call and thread
+
+
 @contextlib.contextmanager
 def tracked_call():
     """Every op in the block takes the exact path beneath the transforms (``tracked_beneath``):
@@ -161,14 +166,18 @@ def tracked_beneath(factors: tuple = (), weight: Optional[Tensor] = None, activa
     return False
 
 
-_warned_tracked = False
+def tracked_scope(inputs: Any) -> contextlib.AbstractContextManager:
+    """``tracked_call()`` when, eagerly under the transforms, a tensor among ``inputs`` (a pytree:
+    a call's inputs, an op's operands) is tracked beneath them (``tracked_beneath``); else a
+    context that does nothing."""
+    if torch.compiler.is_compiling() or not _functorch.get_interpreter_stack():
+        return _NO_SCOPE
+    tensors = tuple(t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor))
+    return tracked_call() if tracked_beneath(inputs=tensors) else _NO_SCOPE
 
 
+@functools.cache  # once per process
 def _warn_tracked() -> None:
-    global _warned_tracked
-    if _warned_tracked:
-        return
-    _warned_tracked = True
     warnings.warn(
         "fastaf: tensors that require grad reach its ops beneath torch.func's grad level (LoRA factors, "
         "inputs or activations): fastaf keeps plain autograd's graph beneath the level on its exact, "
