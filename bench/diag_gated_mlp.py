@@ -19,7 +19,10 @@ forward and backward (the frozen weights get no gradient), timed from CUDA-graph
   passes the base makes anyway.
 
 Both LoRA paths share the rest (down's GEMM and bwd_dy, the gate+up dx GEMMs, bwd_da over x).
-Each is checked against an fp32 torch reference first.
+Each is checked against an fp32 torch reference first. ``ADD_LORA`` off (``_fused_step``'s lean
+variant, kept for ``--check``): gate, up and down's dx stay on fastaf's fused GEMMs and the
+kernels skip the LoRA products; measured slower (s38b). Results and the decision: README,
+"The SwiGLU neighbour, tried as a prototype".
 """
 from __future__ import annotations
 
