@@ -24,7 +24,7 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - fastaf-func-compiled: ``torch.compile(torch.func.grad_and_value(loss), fullgraph=True)``, the
   JAX ``jit(grad(f))`` step, then AdamW as ``fastaf-func``.
 - ``<fastaf provider>-alone`` / ``-shared``: the same with every adapted layer alone
-  (``_call.SHARE_INPUT = "never"``), or with q/k/v and gate/up taking their h from one pass over
+  (``_mode.SHARE_INPUT = "never"``), or with q/k/v and gate/up taking their h from one pass over
   their shared input also eagerly ("always"; by default only compiled): both paths in one process.
 - ``<fastaf provider>-perop``: eager ``torch.func`` with the model run at the grad level, each
   adapted layer its own node (``_below_grad.ENABLED = False``; by default the call runs below the
@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
 
 import fastaf as fa  # noqa: E402
-from fastaf.functional import _below_grad, _call, _group  # noqa: E402
+from fastaf.functional import _below_grad, _call, _group, _mode  # noqa: E402
 from fastaf.kernels import _dispatch, _graphs  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,7 +71,7 @@ PROVIDERS = ["base", "base-compiled", "base-func", "peft", "peft-bf16", "fastaf-
              "fastaf-func", "fastaf-func-compiled", "fastaf-autograd-compiled"]
 LIGER_PROVIDERS = ["base-liger", "peft-bf16-liger", "fastaf-autograd-liger", "fastaf-init-liger", "fastaf-func-liger"]
 # provider suffix -> (module, flag, value) set around each step: both paths in one process
-SUFFIXES = {"-alone": (_call, "SHARE_INPUT", "never"), "-shared": (_call, "SHARE_INPUT", "always"),
+SUFFIXES = {"-alone": (_mode, "SHARE_INPUT", "never"), "-shared": (_mode, "SHARE_INPUT", "always"),
             "-perop": (_below_grad, "ENABLED", False), "-mode": (_call, "CARRY", False),
             "-single": (_group, "GROUP", False), "-triton": (_dispatch, "OVERRIDE", "triton"),
             "-addmm": (_dispatch, "OVERRIDE", "addmm")}

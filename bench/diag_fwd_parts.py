@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_e2e import _liger, make_model  # noqa: E402
 from bench.diag_host import _phases  # noqa: E402
 
-from fastaf.functional import _call  # noqa: E402
+from fastaf.functional import _mode  # noqa: E402
 from fastaf.kernels import _launch  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def _no_relaunch(self, entry, grid, args):
     return True  # "launched": the kernel kept for a call signature is not run either
 
 
-VARIANTS = {"full": [], "carrier-only": [(_call._LoRAMode, "_apply", _carrier_only)],
+VARIANTS = {"full": [], "carrier-only": [(_mode.LoRAMode, "_apply", _carrier_only)],
             "no-launch": [(_launch.LaunchSite, "__call__", _no_launch), (_launch.LaunchSite, "again", _no_relaunch)]}
 
 

@@ -1,7 +1,8 @@
 """The pure functional core: adapter pytrees, the fused ops, ``functional_call`` and merging."""
 from ._adapter import Adapter, LoRA
-from ._call import (adapter_mode, checkpoint_context, explicit_mode_active, functional_call, link_siblings, module_mode,
-                    module_routes, scoped_call)
+from ._call import checkpoint_context, explicit_mode_active, functional_call, scoped_call
+from ._mode import adapter_mode, module_mode
+from ._routes import link_siblings, module_routes
 from ._group import Groups
 from ._config import LoRAConfig, init_adapter
 from ._lora_linear import lora_linear

@@ -7,7 +7,7 @@ and ``fastaf-autograd`` against ``fastaf-autograd-mode``). Here each targeted we
 ``Carrier``: a tensor subclass aliasing the weight's storage, whose ``__torch_function__`` sees
 only the torch calls that receive it. The linear rules (``_rules``) send those through the mode
 object's ``_apply`` (so both interceptions compute the same op); any other call runs on the
-weight as it is, or, where it returns a tensor, again on W + ΔW (``_LoRAMode.folded``: exact,
+weight as it is, or, where it returns a tensor, again on W + ΔW (``LoRAMode.folded``: exact,
 slower, warned once).
 
 The swap is an entry in the module's ``_parameters`` (no ``__setattr__``, no hooks), undone when
@@ -47,7 +47,8 @@ from . import _rules as rules
 from ._modules import compiled_class
 
 if TYPE_CHECKING:
-    from ._call import _LoRAMode, _Route
+    from ._mode import LoRAMode
+    from ._routes import Route
 
 _lock = threading.Lock()  # installs and removals of carriers (concurrent calls on one model)
 _PLAIN = (Tensor, nn.Parameter)
@@ -126,7 +127,7 @@ class Carrier(_Carries):
     per thread the calls that adapt it, and the ``forward`` set on its ``nn.Linear``, if any."""
 
     raw: Tensor
-    calls: dict[int, list[tuple[_LoRAMode, _Route]]]
+    calls: dict[int, list[tuple[LoRAMode, Route]]]
     forward: Callable[[Tensor], Tensor] | None
 
     @staticmethod
@@ -171,7 +172,7 @@ class View(_Carries):
         return out
 
 
-def _entry(t: Any) -> tuple[_LoRAMode, _Route] | None:
+def _entry(t: Any) -> tuple[LoRAMode, Route] | None:
     """(mode, route) of the innermost call of this thread that adapts ``t``, or None."""
     if type(t) is not Carrier:
         return None
@@ -187,7 +188,7 @@ def raw(t: Any) -> Any:
     return t.source.raw.t() if type(t) is View else t
 
 
-def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | None) -> bool:
+def eligible(model: nn.Module, mode: LoRAMode, params: Mapping[str, Tensor] | None) -> bool:
     """Whether this eager call may carry its adapter on the weights instead of entering ``mode``."""
     # params=: torch.func.functional_call finds tied weights by identity, which a carrier hides
     if params or mode.ids is not None or mode.params or torch._C._functorch.get_interpreter_stack():
@@ -208,7 +209,7 @@ def eligible(model: nn.Module, mode: _LoRAMode, params: Mapping[str, Tensor] | N
 class carried:
     """Context manager: the routes' weights carry ``mode``'s adapter for this thread."""
 
-    def __init__(self, mode: _LoRAMode) -> None:
+    def __init__(self, mode: LoRAMode) -> None:
         self.mode = mode
         self.installed: list[tuple[nn.Module, str, Carrier, tuple]] = []
 

@@ -187,7 +187,7 @@ class Groups:
         return ys[0]
 
     def _groupable(self, members: list, x: Tensor, weights: list, biases: list) -> bool:
-        # never under compile: the caller (_call._LoRAMode._apply) groups only eager calls
+        # never under compile: the caller (_mode.LoRAMode._apply) groups only eager calls
         if x.dim() < 2 or x.numel() == 0 or torch.is_autocast_enabled(x.device.type):
             return False
         loras = [m.lora for m in members]

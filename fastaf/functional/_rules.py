@@ -1,5 +1,5 @@
 """Which torch calls on a targeted weight compute a linear layer, shared by both interceptions:
-the mode over a whole call (``_call._LoRAMode``) and the weights that carry their adapter
+the mode over a whole call (``_mode.LoRAMode``) and the weights that carry their adapter
 (``_carrier``).
 
     F.linear(x, W, b)        nn.Linear                          W (N, K)

@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from transformers.pytorch_utils import Conv1D
 
 import fastaf as fa
-from fastaf.functional import _call
+from fastaf.functional import _call, _mode
 from tests._backends import fastaf_ops_backend
 from tests._models import ARCHS, MODELS, VOCAB, logits, random_adapter, tiny_falcon, tiny_gpt2, tiny_llama, token_batch
 from tests._peft import peft_grads, peft_model_with
@@ -146,8 +146,8 @@ def test_compile_fullgraph_has_no_graph_breaks(monkeypatch):
     ad = random_adapter(base, ["q_proj", "v_proj"])
     ids = token_batch()
     seen = []
-    foldable = _call.rules.foldable
-    monkeypatch.setattr(_call.rules, "foldable", lambda func, *a: seen.append(func) or foldable(func, *a))
+    foldable = _mode.rules.foldable
+    monkeypatch.setattr(_mode.rules, "foldable", lambda func, *a: seen.append(func) or foldable(func, *a))
     f = lambda a, ids: fa.functional_call(base, a, (ids,)).logits
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(ad, ids)
     assert seen == []
@@ -460,7 +460,7 @@ def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, 
     ad = random_adapter(model, ["inner", "plain"])
     leaves, spec = pytree.tree_flatten(ad)
     leaves = [t.detach().requires_grad_() for t in leaves]
-    _call._warned_folds.clear()
+    _mode._warned_folds.clear()
     with pytest.warns(UserWarning, match=r"inner \(\w+\) uses its weight through einsum.*exact"):
         got = fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (x,))
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fastaf as fa
-from fastaf.functional import _call, _carrier
+from fastaf.functional import _call, _carrier, _mode
 
 from .._models import ARCHS, MODELS, logits, random_adapter, tiny_gpt2, tiny_llama, token_batch
 
@@ -300,7 +300,7 @@ def test_value_free_and_identity_uses_neither_fold_nor_count(carry, monkeypatch)
         fa.functional_call(ws, random_adapter(ws, ["0"]), (x,))
     cast = torch.nn.Sequential(Cast(6, 5)).train()
     lora = random_adapter(cast, ["0"], dropout=0.1)
-    _call._warned_folds.clear()
+    _mode._warned_folds.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fold warning, no dropout error: the fused op ran
         fa.functional_call(cast, lora, (x,))

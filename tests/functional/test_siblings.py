@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastaf as fa
-from fastaf.functional import _call, _siblings, lora_linear
+from fastaf.functional import _mode, _siblings, lora_linear
 from tests._models import random_adapter, tiny_bart, tiny_llama, tiny_qwen2, token_batch
 from tests._tolerances import REL_TOL, assert_close, rel_err
 
@@ -93,18 +93,18 @@ def test_opcheck(op):
 def count_shared(monkeypatch):
     """Counts shared_h calls (one per group of siblings sharing an input) made by functional_call."""
     calls = []
-    real = _call.shared_h
-    monkeypatch.setattr(_call, "shared_h", lambda x, loras, **kw: calls.append(len(loras)) or real(x, loras, **kw))
+    real = _mode.shared_h
+    monkeypatch.setattr(_mode, "shared_h", lambda x, loras, **kw: calls.append(len(loras)) or real(x, loras, **kw))
     return calls
 
 
 def both(f, monkeypatch):
     """f() with siblings sharing h (also eagerly), then with every layer alone."""
-    monkeypatch.setattr(_call, "SHARE_INPUT", "always")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "always")
     shared = f()
-    monkeypatch.setattr(_call, "SHARE_INPUT", "never")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "never")
     alone = f()
-    monkeypatch.setattr(_call, "SHARE_INPUT", "always")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "always")
     return shared, alone
 
 
@@ -155,7 +155,7 @@ def test_autograd_double_backward_and_compile_with_sharing(count_shared, monkeyp
         assert_close(a, b, torch.float32, "grad of grad")
 
     # by default siblings share only under torch.compile, where no host time is spent per op
-    monkeypatch.setattr(_call, "SHARE_INPUT", "compiled")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "compiled")
     count_shared.clear()
     f = torch.func.grad_and_value(loss)
     g0, v0 = f(ad)
@@ -168,7 +168,7 @@ def test_autograd_double_backward_and_compile_with_sharing(count_shared, monkeyp
 
 
 def test_no_sharing_under_dropout_or_vmap(count_shared, monkeypatch):
-    monkeypatch.setattr(_call, "SHARE_INPUT", "always")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "always")
     base, ids = tiny_llama(), token_batch()
     ad = random_adapter(base, ALL_LINEAR, dropout=0.1)
     base.train()
@@ -264,21 +264,21 @@ def test_a_layer_running_again_or_an_input_changed_in_place_recomputes_h(share, 
     """The slot of shared h never outlives its pass: a mode held over two passes (the factors
     updated in between) and an input changed in place between siblings both recompute."""
     m, ad, x = _two_heads()
-    monkeypatch.setattr(_call, "SHARE_INPUT", share)
+    monkeypatch.setattr(_mode, "SHARE_INPUT", share)
     run = torch.compile(m.forward, backend="aot_eager") if share == "compiled" else m.forward
     with torch.no_grad(), fa.functional.adapter_mode(m, ad):
         run(x)
         for lora in ad.values():
             lora.A.add_(1.0)
         second = run(x)
-    monkeypatch.setattr(_call, "SHARE_INPUT", "never")
+    monkeypatch.setattr(_mode, "SHARE_INPUT", "never")
     with torch.no_grad():
         assert_close(second, fa.functional_call(m, ad, (x,)), torch.float32, "second pass")
 
     m, ad, x = _two_heads(mutate=True)
     with torch.no_grad():
         ref = fa.functional_call(m, ad, (x,))
-        monkeypatch.setattr(_call, "SHARE_INPUT", share)
+        monkeypatch.setattr(_mode, "SHARE_INPUT", share)
         f = lambda x: fa.functional_call(m, ad, (x,))  # noqa: E731
         out = torch.compile(f, backend="aot_eager")(x) if share == "compiled" else f(x)
     assert_close(out, ref, torch.float32, "input changed in place")
