@@ -189,9 +189,13 @@ def _layout_mismatch(a: LoRA, b: LoRA) -> str | None:
 
 
 def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
-    """Exact sum of two deltas: ranks concatenate, b's scale is folded into its B.
+    """Exact sum of two deltas: ranks concatenate (a's first), the sum keeps the scale of larger
+    magnitude and the other's ratio to it is folded into its B:
 
-    a.scale·Ba@Aa + b.scale·Bb@Ab = a.scale · [Ba | (b.scale/a.scale)·Bb] @ [Aa; Ab].
+    a.scale·Ba@Aa + b.scale·Bb@Ab = a.scale · [Ba | (b.scale/a.scale)·Bb] @ [Aa; Ab]   (|a.scale| >= |b.scale|)
+
+    A ratio of at most 1 cannot overflow 16-bit factors (folding 1/1e-6 into fp16 ones made inf),
+    and the sum does not depend on the operands' order.
     """
     if (a.in_features, a.out_features) != (b.in_features, b.out_features):
         raise ValueError(
@@ -214,12 +218,16 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
             f"(A {tuple(a.A.shape)} / {tuple(b.A.shape)}); move one with .to() first"
         )
     dtype = torch.promote_types(a.A.dtype, b.A.dtype)
-    if a.scale == 0.0:  # nothing to fold into; keep b's scale instead
-        a, b = b, a
-    ratio = b.scale / a.scale if a.scale != 0.0 else 0.0
+    scale = a.scale if abs(a.scale) >= abs(b.scale) else b.scale
+
+    def folded(lora: LoRA) -> torch.Tensor:
+        B = lora.B.to(dtype)
+        if lora.scale == scale:
+            return B
+        return B * (lora.scale / scale if scale != 0.0 else 0.0)  # |ratio| < 1, in the factors' dtype
+
     A = torch.cat([a.A.to(dtype), b.A.to(dtype)], dim=-2)
-    B = torch.cat([a.B.to(dtype), (b.B * ratio).to(dtype)], dim=-1)
-    return LoRA(A, B, a.scale, a.dropout, a.experts)
+    return LoRA(A, torch.cat([folded(a), folded(b)], dim=-1), scale, a.dropout, a.experts)
 
 
 class Adapter(Mapping[str, LoRA]):

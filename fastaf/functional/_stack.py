@@ -2,9 +2,9 @@
 
 ``stack([a1, ..., an])`` gives every LoRA factors A (n, r_max, in) and B (n, out, r_max). It is
 exact for adapters of different ranks and scales: smaller ranks are zero-padded (zero rows of A
-and columns of B add nothing to B @ A), and when scales differ each slot's scale is folded into
-its B so that the stack shares one scale. A path missing from some adapters gets zero factors
-in those slots, which is the exact delta of "no LoRA there". An expert LoRA (A (E, r, in)) stacks
+and columns of B add nothing to B @ A), and when scales differ each slot's ratio to the largest
+scale is folded into its B so that the stack shares that scale. A path missing from some
+adapters gets zero factors in those slots, which is the exact delta of "no LoRA there". An expert LoRA (A (E, r, in)) stacks
 the same way, to A (n, E, r_max, in) and B (n, E, out, r_max).
 """
 from __future__ import annotations
@@ -56,8 +56,9 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
     for l in present[1:]:
         dtype = torch.promote_types(dtype, l.A.dtype)
     r_max = max(l.rank for l in present)
-    same_scale = all(l.scale == first.scale for l in present)
-    scale = first.scale if same_scale else 1.0
+    # one scale for the stack: the largest in magnitude, each slot's ratio to it (at most 1) folded
+    # into its B, which 16-bit factors hold without overflow (a scale folded in whole did not)
+    scale = max((l.scale for l in present), key=abs)
     lead = first.A.shape[:-2]  # (E,) for an expert LoRA
     A_slots, B_slots = [], []
     for l in loras:
@@ -66,7 +67,7 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
             B_slots.append(first.B.new_zeros((*lead, first.out_features, r_max), dtype=dtype))
             continue
         pad = r_max - l.rank
-        B = l.B if same_scale else l.B * l.scale
+        B = l.B if l.scale == scale else l.B * (l.scale / scale)
         A_slots.append(F.pad(l.A.to(dtype), (0, 0, 0, pad)))  # (..., r_max, in)
         B_slots.append(F.pad(B.to(dtype), (0, pad)))  # (..., out, r_max)
     return LoRA(torch.stack(A_slots), torch.stack(B_slots), scale, first.dropout, first.experts)

@@ -131,6 +131,22 @@ def test_arithmetic_is_exact_in_delta_space():
     assert a["l0"].rank == 3  # operands untouched
 
 
+def test_adding_fp16_loras_folds_the_smaller_scale_whatever_the_order():
+    # the sum keeps the larger |scale|: folding 1 / 1e-6 into fp16 factors made B inf, the delta NaN
+    torch.manual_seed(0)
+    big = fa.LoRA(torch.randn(2, 5, dtype=torch.float16), torch.randn(6, 2, dtype=torch.float16), 2.0)
+    small = fa.LoRA(torch.randn(3, 5, dtype=torch.float16), torch.randn(6, 3, dtype=torch.float16), 2e-6)
+    want = big.delta().double() + small.delta().double()
+    for s in (small + big, big + small):
+        assert s.scale == 2.0 and s.rank == 5
+        assert torch.isfinite(s.B).all()
+        torch.testing.assert_close(s.delta().double(), want, atol=1e-2, rtol=1e-3)
+    assert (small + big).A[:3].equal(small.A)  # ranks still concatenate in the operands' order
+    st = fa.stack([fa.Adapter({"l": small}), fa.Adapter({"l": big})])["l"]
+    assert st.scale == 2.0 and torch.isfinite(st.B).all()
+    torch.testing.assert_close(st.delta()[0].double(), small.delta().double(), atol=1e-6, rtol=1e-2)
+
+
 def test_add_keeps_paths_of_either_side():
     a = fa.Adapter({"x": lora(seed=1)})
     b = fa.Adapter({"y": lora(seed=2)})
