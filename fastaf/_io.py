@@ -192,8 +192,11 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
     else:
         r = collections.Counter(ranks.values()).most_common(1)[0][0]
         alpha = collections.Counter(a for p, a in alphas.items() if ranks[p] == r).most_common(1)[0][0]
+    if config is None or targets == "all-linear":
         # PEFT reads a str as a regex over whole module paths: the escaped paths select exactly
-        # these modules, where bare last components ("head") could select others too.
+        # these modules, where bare last components ("head") could select others too. "all-linear"
+        # is PEFT's own rule over the model it loads into (no output layer, for one): written as
+        # it is, an adapter holding any other module (an lm_head from extract_adapter) lost it there
         targets = "|".join(re.escape(p) for p in adapter)
     params = [p for p, l in adapter.items() if l.experts]
     if params:

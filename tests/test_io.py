@@ -154,6 +154,22 @@ def test_without_config_global_rank_is_most_common_and_targets_are_exact_paths(t
     assert_close(_peft_logits(peft_model, ids), _fa_logits(model, adapter, ids), F32)
 
 
+def test_all_linear_config_saves_the_adapters_own_paths(tmp_path):
+    """PEFT's "all-linear" selects no output layer: a file that said it dropped this lm_head."""
+    model = tiny_llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    cfg = fa.LoRAConfig(r=4, alpha=8, targets="all-linear")
+    adapter = random_adapter(model, "all-linear") + random_adapter(model, ["lm_head"], seed=2)
+    fa.save_adapter(adapter, tmp_path, config=cfg)
+    written = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"]) == (4, 8)
+    selected = {p for p, _ in model.named_modules() if p and re.fullmatch(written["target_modules"], p)}
+    assert selected == set(adapter) and "lm_head" in selected
+    ids = token_batch()
+    assert_close(_peft_logits(_peft_from_dir(model, tmp_path), ids), _fa_logits(model, adapter, ids), F32)
+
+
 class _Nested(nn.Module):
     """Paths ``a.proj`` and ``x.a.proj``: a plain pattern key "a.proj" would match both."""
 
