@@ -29,7 +29,8 @@ def generate(
             (Whisper's ``input_features``): the batch is then the first of those tensors' sizes.
         adapter_ids: (batch,) int tensor for a stacked adapter: row i decodes with slot
             ``adapter_ids[i]``, -1 with the base model. With ``num_beams`` or
-            ``num_return_sequences`` above 1 each id is repeated as generate repeats its row.
+            ``num_return_sequences`` above 1 (as keywords or in a ``generation_config``) each id
+            is repeated as generate repeats its row: max(num_beams, num_return_sequences) times.
         **generate_kwargs: passed to ``model.generate``.
     Returns:
         What ``model.generate`` returns.
@@ -38,12 +39,14 @@ def generate(
         generate_kwargs["input_ids"] = input_ids
     batch = _batch(generate_kwargs)
     if isinstance(adapter_ids, torch.Tensor) and adapter_ids.dim() == 1 and adapter_ids.shape[0] == batch:
-        # generate repeats each row num_beams * num_return_sequences times (repeat_interleave)
-        config = getattr(model, "generation_config", None)
-        beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
-        returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
-        if beams * returns > 1:
-            adapter_ids, batch = adapter_ids.repeat_interleave(beams * returns), batch * beams * returns
+        # generate expands each row max(num_beams, num_return_sequences) times (repeat_interleave,
+        # transformers 5's _expand_inputs_for_generation); keywords override the config it uses
+        config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1
+        expand = max(beams, returns)
+        if expand > 1:
+            adapter_ids, batch = adapter_ids.repeat_interleave(expand), batch * expand
     return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=adapter_ids, batch=batch)
 
 

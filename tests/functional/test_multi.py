@@ -102,6 +102,30 @@ def test_generate_decodes_each_row_with_its_adapter_and_leaves_the_model():
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.parametrize("beams, returns, in_config", [(2, 1, False), (2, 1, True), (2, 2, False), (1, 2, True)])
+def test_generate_repeats_ids_as_generate_expands_rows(beams, returns, in_config):
+    """Beam search and several returned sequences: generate expands each row max(beams, returns)
+    times, each expanded row with its row's adapter (the ids once repeated beams * returns times,
+    and a generation_config keyword went unread)."""
+    from transformers import GenerationConfig
+
+    model = tiny_llama()
+    ads, _ = _stack(model, ["q_proj", "v_proj"])
+    stack = fa.stack([20.0 * a for a in ads])
+    prompts = token_batch(batch=len(IDS), seq=5)
+    opts = dict(num_beams=beams, num_return_sequences=returns, do_sample=returns > beams)
+    kw = dict(max_new_tokens=3, pad_token_id=0)
+    kw.update(generation_config=GenerationConfig(**opts, **kw) if in_config else None, **({} if in_config else opts))
+    torch.manual_seed(0)
+    mixed = fa.generate(model, stack, prompts, adapter_ids=IDS, **kw)
+    assert mixed.shape[0] == len(IDS) * returns
+    for row, k in enumerate(IDS.tolist()):
+        torch.manual_seed(0)
+        one = fa.generate(model, 20.0 * ads[k] if k >= 0 else None, prompts[row:row + 1], **kw)
+        if returns <= beams:  # beam search: deterministic per row
+            assert torch.equal(mixed[row * returns:(row + 1) * returns], one), f"row {row} (adapter {k})"
+
+
 def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     class TimeFirst(torch.nn.Module):
         def __init__(self):
