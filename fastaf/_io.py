@@ -558,6 +558,20 @@ def _natural_key(path: str) -> list[Any]:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split(".")]
 
 
+def _in_model_order(adapter: Adapter, model: nn.Module) -> Adapter:
+    """``adapter``'s keys in ``model``'s order, as ``init_adapter`` makes them (an Adapter's pytree
+    structure holds its key order: a re-read adapter must tree_map with the one that was saved).
+    A module, then its own parameters (expert LoRAs' keys), module by module; keys the model lacks
+    go last (the check after names them)."""
+    rank: dict[str, int] = {}
+    for path, module in model.named_modules():
+        rank[path] = len(rank)
+        for name in module._parameters:
+            rank[f"{path}.{name}" if path else name] = len(rank)
+    ordered = sorted(adapter, key=lambda key: rank.get(key, len(rank)))  # stable: the file's order among the rest
+    return Adapter({key: adapter[key] for key in ordered})
+
+
 def _place(adapter: Adapter, model: nn.Module | None, device: torch.device | str | None) -> Adapter:
     """Move the factors to ``device``, or to each module's weight device when a model is given."""
     if device is not None:
@@ -593,8 +607,10 @@ def read_adapter(
         dir_or_repo_id: a local directory, or a hub repository id (``"user/name"``) downloaded
             with huggingface_hub (its cache, ``HF_ENDPOINT`` and token apply).
         model: when given, every path must be a linear module of ``model`` with matching
-            in/out features (checked now, not at the first call), and the factors go to each
-            module's weight device.
+            in/out features (checked now, not at the first call), the factors go to each
+            module's weight device, and the keys come in the model's order, as
+            ``init_adapter`` makes them (without it, numbered layers in order, each layer's
+            modules by name).
         device: where to put the factors (overrides the model's devices); default CPU.
         revision: hub branch, tag or commit (hub ids only).
         token: hub token (hub ids only).
@@ -623,12 +639,14 @@ def read_adapter_and_name(
     file = folder / WEIGHTS_NAME
     pairs = _pair_factors(tensors, file)
     params = _parameter_keys(list(pairs), cfg, metadata, model, file)
-    # model order: by module; a module's nested parameter LoRAs innermost (registered first) first
+    # numbered layers in order; a module's nested parameter LoRAs innermost (registered first) first
     prefixes = sorted(pairs, key=lambda p: (_natural_key(p.split(_NESTED)[0]), -p.count(_NESTED)))
     adapter = Adapter({
         params.get(p, p): _build_lora(params.get(p, p), pairs[p]["A"], pairs[p]["B"], cfg, file, experts=p in params)
         for p in prefixes
     })
+    if model is not None:
+        adapter = _in_model_order(adapter, model)
     adapter = _place(adapter, model, device)
     if model is not None:
         try:

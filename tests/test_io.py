@@ -170,6 +170,19 @@ def test_all_linear_config_saves_the_adapters_own_paths(tmp_path):
     assert_close(_peft_logits(_peft_from_dir(model, tmp_path), ids), _fa_logits(model, adapter, ids), F32)
 
 
+@pytest.mark.parametrize("make, targets", [(tiny_llama, ["q_proj", "down_proj"]), (tiny_mixtral, "all-linear")])
+def test_read_with_the_model_keeps_the_models_key_order(tmp_path, make, targets):
+    """An Adapter's pytree structure holds its key order: the re-read adapter maps together with
+    the saved one (mlp.down_proj came back before self_attn.q_proj, and tree_map raised)."""
+    model = make()
+    adapter = random_adapter(model, targets)
+    fa.save_adapter(adapter, tmp_path)
+    back = fa.read_adapter(tmp_path, model=model)
+    assert list(back) == list(adapter)
+    summed = torch.utils._pytree.tree_map(torch.add, adapter, back)
+    assert all(summed[key].A.equal(2 * lora.A) for key, lora in adapter.items())
+
+
 class _Nested(nn.Module):
     """Paths ``a.proj`` and ``x.a.proj``: a plain pattern key "a.proj" would match both."""
 
