@@ -129,6 +129,15 @@ def _pattern_keys(paths: list[str]) -> dict[str, str]:
 # ---- save ---------------------------------------------------------------------------------------
 
 
+def check_adapter_name(name: Any) -> None:
+    """``name`` can name an adapter: the stateful layer's registry keys (an ``nn.ModuleDict``'s:
+    non-empty, no '.', none of its own attribute names), which a file's recorded name becomes."""
+    if not isinstance(name, str) or not name or "." in name:
+        raise ValueError(f"adapter name must be a non-empty str without '.', got {name!r}")
+    if hasattr(nn.ModuleDict(), name):  # ModuleDict would refuse its own attribute names
+        raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
+
+
 def _targets_match(targets: str | tuple[str, ...], path: str) -> bool:
     """Whether PEFT's ``target_modules`` selects ``path`` ("all-linear" cannot be checked here)."""
     if isinstance(targets, str):
@@ -258,15 +267,20 @@ def save_adapter(
             the global go to ``rank_pattern`` / ``alpha_pattern``, so every LoRA's scale is
             reproduced.
         name: kept in the weights file's metadata; ``fastaf.load_adapter`` registers the
-            adapter under it.
+            adapter under it, so it must be a name the stateful layer takes (non-empty, no '.').
     Returns:
         The directory. Under ``torch.distributed`` only rank 0 writes (every rank checks the
         adapter); other ranks that read the files next must first wait for it, e.g. with
         ``torch.distributed.barrier()``.
     """
     dropout = _check_savable(adapter, config)
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"save_adapter: name must be a str, got {type(name).__name__}")
+    if name is not None:
+        if not isinstance(name, str):
+            raise TypeError(f"save_adapter: name must be a str, got {type(name).__name__}")
+        try:
+            check_adapter_name(name)  # load_adapter would refuse the file's name
+        except ValueError as err:
+            raise ValueError(f"save_adapter: {err}") from err
     peft_config = _peft_config(adapter, config, dropout)
     directory = Path(directory)
     if not distributed.is_writer():

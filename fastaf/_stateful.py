@@ -303,13 +303,12 @@ def _open_modes() -> list:
 
 
 def _check_new_name(name: Any, existing: Mapping[str, Any]) -> None:
-    """``name`` can name a new adapter beside ``existing`` ones (ModuleDict keys: no '.')."""
-    if not isinstance(name, str) or not name or "." in name:
-        raise ValueError(f"adapter name must be a non-empty str without '.', got {name!r}")
+    """``name`` can name a new adapter beside ``existing`` ones (``check_adapter_name``)."""
+    from ._io import check_adapter_name
+
+    check_adapter_name(name)
     if name in existing:
         raise ValueError(f"an adapter named {name!r} already exists; this model has {list(existing)}")
-    if hasattr(nn.ModuleDict(), name):  # ModuleDict would refuse its own attribute names
-        raise ValueError(f"adapter name {name!r} is reserved (an nn.ModuleDict attribute); pick another")
 
 
 def _check_unsharded(base: nn.Module, name: str) -> None:
@@ -543,7 +542,12 @@ def load_adapter(
         adapter, stored = read_adapter_and_name(path_or_repo_id, model=base, revision=revision, token=token)
     if name is None:
         name = stored or _default_name(path_or_repo_id)
-        _check_new_name(name, existing)
+        try:
+            _check_new_name(name, existing)
+        except ValueError as err:
+            where = "recorded in its files" if stored else "taken from its path"
+            raise ValueError(f"load_adapter: {path_or_repo_id}: the adapter name {where} cannot be used: {err}; "
+                             "pass name= to load it under another") from err
     init(model)
     _register(model, name, adapter, None)
     return name

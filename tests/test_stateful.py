@@ -2,6 +2,7 @@
 import copy
 import inspect
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 import fastaf as fa
 import fastaf._hub
 import fastaf._stateful
+from fastaf import _io
 from fastaf.functional import _group
 from tests._models import ARCHS, VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
 from tests._peft import peft_model_with
@@ -396,6 +398,28 @@ def test_files_without_a_name_are_named_after_the_path(tmp_path, monkeypatch):
     assert fa.load_adapter(model, path_or_repo_id=tmp_path / "v1.2") == "v1_2"
     monkeypatch.chdir(tmp_path / "v1.2")
     assert fa.load_adapter(model, path_or_repo_id=".") == "default"
+
+
+@pytest.mark.parametrize("name", ["", "my.adapter", "keys"])
+def test_names_load_adapter_refuses_are_refused_at_save(tmp_path, name):
+    _, model = inited()
+    with pytest.raises(ValueError, match=f"save_adapter: .*{re.escape(repr(name))}"):
+        fa.save_adapter(model.get_adapter("a"), tmp_path, name=name)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_recorded_name_that_cannot_register_says_where_it_came_from(tmp_path):
+    """Files from before save_adapter checked names: the error names the file's name and name=."""
+    from safetensors.torch import load_file, save_file
+
+    base, model = inited()
+    fa.save_adapter(model.get_adapter("a"), tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt", _io._NAME_KEY: "my.adapter"})
+    fresh = copy.deepcopy(base)
+    with pytest.raises(ValueError, match=r"name recorded in its files cannot be used.*'my.adapter'.*pass name="):
+        fa.load_adapter(fresh, path_or_repo_id=tmp_path)
+    assert fa.load_adapter(fresh, path_or_repo_id=tmp_path, name="mine") == "mine"
 
 
 def _snapshot(model):
