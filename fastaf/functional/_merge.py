@@ -28,6 +28,7 @@ evenly, B = U·sqrt(S) and A = sqrt(S)·Vᵀ, so neither factor dwarfs the other
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import time
 import zlib
@@ -84,7 +85,7 @@ def merge(
     """
     adapters = _check_adapters(adapters)
     weights = _check_weights(weights, len(adapters))
-    _check_options(method, r, density, seed)
+    r, density, seed = _check_options(method, r, density, seed)
     terms = _terms_by_path(adapters, weights)
     progress = _Progress("fastaf.merge", len(terms), verbose)
     merged = {}
@@ -129,26 +130,48 @@ def _check_weights(weights: Sequence[Any] | None, n: int) -> list[float]:
     return weights
 
 
-def _check_options(method: str, r: int | None, density: float | None, seed: int | None) -> None:
+def _as_int(value: Any) -> int | None:
+    """A Python int for an integer (numpy's and 0-d integer tensors' too), None for anything else
+    (a bool, a float)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def _check_options(method: str, r: Any, density: Any, seed: Any) -> tuple[int | None, float | None, int | None]:
+    """(r, density, seed) checked and as Python numbers: numpy scalars and 0-d tensors are taken
+    as the merge weights are; a bool is no number here."""
     if method not in METHODS:
         raise ValueError(f"fastaf.merge: unknown method {method!r}; choose one of {list(METHODS)}")
-    if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-        raise ValueError(f"fastaf.merge: r must be an int >= 1 or None, got {r!r}")
+    if r is not None:
+        given, r = r, _as_int(r)
+        if r is None or r < 1:
+            raise ValueError(f"fastaf.merge: r must be an int >= 1 or None, got {given!r}")
     if method == "cat" and r is not None:
         raise ValueError("fastaf.merge: method='cat' is exact and its rank is the sum of the ranks; "
                          "use method='svd' to choose r")
     if method in _DENSE:
         if density is None:
             raise ValueError(f"fastaf.merge: method={method!r} needs density in (0, 1]")
-        if not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        try:
+            value = _as_scalar(density)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not 0.0 < value <= 1.0:
             raise ValueError(f"fastaf.merge: density must be in (0, 1], got {density!r}")
+        density = value
     elif density is not None:
         raise ValueError(f"fastaf.merge: method={method!r} takes no density (got {density})")
     if seed is not None:
         if method not in _RANDOM:
             raise ValueError(f"fastaf.merge: seed only applies to dare_linear/dare_ties, not {method!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"fastaf.merge: seed must be an int, got {type(seed).__name__}")
+        given, seed = seed, _as_int(seed)
+        if seed is None:
+            raise TypeError(f"fastaf.merge: seed must be an int, got {type(given).__name__}")
+    return r, density, seed
 
 
 def _terms_by_path(adapters: list[Adapter], weights: list[float]) -> dict[str, list[tuple[float, LoRA]]]:

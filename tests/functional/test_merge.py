@@ -230,6 +230,8 @@ def test_density_one_drops_nothing(method, exact):
         ({"method": "linear", "density": 0.5}, "takes no density"),
         ({"method": "cat", "r": 4}, "method='cat' is exact"),
         ({"method": "svd", "r": 0}, "r must be an int"),
+        ({"method": "svd", "r": 2.0}, "r must be an int"),
+        ({"method": "ties", "density": True}, r"density must be in \(0, 1\]"),
         ({"method": "svd", "seed": 1}, "seed only applies"),
         ({"weights": [1.0]}, "1 weights for 3 adapters"),
         ({"weights": [1.0, float("nan"), 1.0]}, "finite"),
@@ -238,6 +240,18 @@ def test_density_one_drops_nothing(method, exact):
 def test_merge_rejects_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fa.merge(_three_adapters(torch.float32), **kwargs)
+
+
+def test_merge_options_take_numpy_and_tensor_numbers():
+    """As the weights do: density=np.float32(0.5) was refused as out of range, r=np.int64 too."""
+    import numpy as np
+
+    ads = _three_adapters(torch.float32)
+    want = fa.merge(ads, method="dare_ties", r=3, density=0.5, seed=7)
+    for r, density, seed in ((np.int64(3), np.float32(0.5), np.int32(7)), (torch.tensor(3), torch.tensor(0.5), 7)):
+        got = fa.merge(ads, method="dare_ties", r=r, density=density, seed=seed)
+        for path in want:
+            torch.testing.assert_close(got[path].delta(), want[path].delta())
 
 
 def test_merge_rejects_bad_adapters():
