@@ -242,7 +242,16 @@ class Adapter(Mapping[str, LoRA]):
     __array_ufunc__ = None  # as LoRA's: ``np.float64(0.5) * adapter`` reaches ``__rmul__``
 
     def __init__(self, loras: Mapping[str, LoRA] | Iterable[tuple[str, LoRA]] = ()) -> None:
-        items = dict(loras)
+        if isinstance(loras, Mapping):
+            items = dict(loras)
+        else:  # pairs: a path given twice would keep its last LoRA without a word
+            pairs = list(loras)
+            items = dict(pairs)
+            if len(items) != len(pairs) and not _is_compiling():
+                seen: set = set()
+                twice = [p for p, _ in pairs if p in seen or seen.add(p)]
+                raise ValueError(f"Adapter: path {twice[0]!r} is given more than once; add their LoRAs (a + b) "
+                                 "to sum the deltas")
         if not _is_compiling():
             for path, lora in items.items():
                 if not isinstance(path, str):

@@ -147,6 +147,13 @@ def test_adding_fp16_loras_folds_the_smaller_scale_whatever_the_order():
     torch.testing.assert_close(st.delta()[0].double(), small.delta().double(), atol=1e-6, rtol=1e-2)
 
 
+def test_a_path_given_twice_is_an_error():
+    l1, l2 = lora(seed=1), lora(seed=2)
+    with pytest.raises(ValueError, match="path 'x' is given more than once"):
+        fa.Adapter([("x", l1), ("y", l2), ("x", l2)])
+    assert fa.Adapter([("x", l1), ("y", l2)])["y"] is l2
+
+
 def test_add_keeps_paths_of_either_side():
     a = fa.Adapter({"x": lora(seed=1)})
     b = fa.Adapter({"y": lora(seed=2)})
