@@ -140,9 +140,7 @@ def check_adapter_name(name: Any) -> None:
 
 def _targets_match(targets: str | tuple[str, ...], path: str) -> bool:
     """Whether PEFT's ``target_modules`` selects ``path`` ("all-linear" cannot be checked here)."""
-    if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, path) is not None
-    return any(selects(t, path) for t in targets)
+    return targets == "all-linear" or _selected_by(targets, path)
 
 
 def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
@@ -473,6 +471,32 @@ def _targeted_names(owner: str, names: list[str], *, bare: bool = True) -> list[
     return list(dict.fromkeys(out))
 
 
+def _selected_by(entries: Any, path: str) -> bool:
+    """PEFT's test of ``target_modules`` / ``exclude_modules`` against a module path: a str is a
+    regex over the whole path, a list holds paths or their last components."""
+    if isinstance(entries, str):
+        return re.fullmatch(entries, path) is not None
+    return any(selects(t, path) for t in entries or ())
+
+
+def _check_selected(paths: list[str], cfg: Mapping[str, Any], file: Path) -> None:
+    """Every module LoRA in the file is one PEFT would create from the config: where
+    ``target_modules`` does not select a path (or ``exclude_modules`` does), PEFT drops its
+    factors without a word, and fastaf reading them would disagree with it on one file.
+    ("all-linear" and a missing ``target_modules`` depend on the model: not checked here.)"""
+    targets, excluded = cfg.get("target_modules"), cfg.get("exclude_modules")
+    for path in paths:
+        dropped = (targets not in (None, "all-linear") and not _selected_by(targets, path)) \
+            or (excluded is not None and _selected_by(excluded, path))
+        if dropped:
+            raise ValueError(
+                f"read_adapter: {file}: {path} has LoRA factors, but target_modules={targets!r}"
+                + (f" with exclude_modules={excluded!r}" if excluded is not None else "")
+                + " does not select it: PEFT would not create its layer and would drop them. Fix the config "
+                "or the weights file"
+            )
+
+
 def _holds_parameter(owner: str, cfg: Mapping[str, Any], modules: Mapping[str, nn.Module]) -> bool:
     """Whether a LoRA at ``owner`` (not nested) adapts one of its parameters rather than the module."""
     names = cfg["target_parameters"]
@@ -485,7 +509,7 @@ def _holds_parameter(owner: str, cfg: Mapping[str, Any], modules: Mapping[str, n
     targets = cfg.get("target_modules")
     if not _targeted_names(owner, names) or targets in (None, "all-linear"):
         return False
-    return not (re.fullmatch(targets, owner) if isinstance(targets, str) else any(selects(t, owner) for t in targets))
+    return not _selected_by(targets, owner)
 
 
 def _parameter_keys(prefixes: list[str], cfg: Mapping[str, Any], metadata: Mapping[str, str],
@@ -653,6 +677,7 @@ def read_adapter_and_name(
     file = folder / WEIGHTS_NAME
     pairs = _pair_factors(tensors, file)
     params = _parameter_keys(list(pairs), cfg, metadata, model, file)
+    _check_selected([p for p in pairs if p not in params], cfg, file)
     # numbered layers in order; a module's nested parameter LoRAs innermost (registered first) first
     prefixes = sorted(pairs, key=lambda p: (_natural_key(p.split(_NESTED)[0]), -p.count(_NESTED)))
     adapter = Adapter({

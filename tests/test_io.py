@@ -520,6 +520,20 @@ def test_bad_config_values_are_named_errors(saved, changes, match):
         fa.read_adapter(folder)
 
 
+@pytest.mark.parametrize("changes", [
+    {"target_modules": ["v_proj"]},
+    {"target_modules": r".*layers\.1\..*"},
+    {"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["model.layers.0.self_attn.q_proj"]},
+])
+def test_factors_the_config_does_not_select_are_an_error(saved, changes):
+    """PEFT creates layers from the config and drops factors for others without a word: reading
+    them anyway made fastaf and PEFT disagree on one file (0.021 logits off)."""
+    _, folder = saved
+    _edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj has LoRA factors, but target_modules="):
+        fa.read_adapter(folder)
+
+
 def test_a_path_that_looks_local_never_goes_to_the_hub(tmp_path, monkeypatch):
     def no_hub(*args, **kwargs):
         raise AssertionError("the hub was asked")
