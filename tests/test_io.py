@@ -285,6 +285,33 @@ def test_peft_saved_adapter_reads_with_same_logits(tmp_path, make, kind):
     assert_close(_fa_logits(base, adapter, ids), _peft_logits(peft_model, ids), F32, f"{kind} logits")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_peft_folder_with_a_targeted_lm_heads_base_weight_reads(tmp_path, tied):
+    """PEFT saves a targeted embedding layer's base weight beside its LoRA (lm_head.base_layer.weight):
+    equal to the model's it is checked and left, different it is an error, without a model a warning."""
+    model = tiny_llama()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model.save_pretrained(str(tmp_path))
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(str(tmp_path / "adapter_model.safetensors"))
+    adapter = fa.read_adapter(tmp_path, model=model)
+    assert sorted(adapter) == ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    ids = token_batch()
+    assert_close(_fa_logits(model, adapter, ids), _peft_logits(peft_model.eval(), ids), F32)
+    with pytest.warns(UserWarning, match="also holds lm_head's base weight"):
+        fa.read_adapter(tmp_path)
+    _rewrite(tmp_path, lambda t: {k: (v + 1 if k.endswith("lm_head.base_layer.weight") else v) for k, v in t.items()})
+    with pytest.raises(ValueError, match="base weight for lm_head .* differs from the model's"):
+        fa.read_adapter(tmp_path, model=model)
+
+
 def test_peft_gpt2_conv1d_reads_with_same_logits(tmp_path):
     base = tiny_gpt2()
     with warnings.catch_warnings():
