@@ -31,6 +31,7 @@ import math
 import numbers
 import sys
 import time
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -386,6 +387,13 @@ def merge_into(
     adapter = _sum_adapters(adapter)
     modules = dict(model.named_modules()) if model is not None else None
     layouts = {path: _check_fit(path, lora, params, modules) for path, lora in adapter.items()}
+    if modules is None:
+        square = [p for p, l in adapter.items() if not l.experts and l.in_features == l.out_features]
+        if square:  # GPT-2's square c_proj merged as nn.Linear's was 0.55 logits off, without a word
+            warnings.warn(
+                f"merge_into: no model= to tell how {len(square)} square weight(s) are laid out ({square[0]!r}, "
+                "...): each is taken as nn.Linear's (out, in); for a Conv1D (GPT-2) weight, stored (in, out), that "
+                "adds ΔW where ΔWᵀ belongs. Pass model= to have the layout read from the model", stacklevel=2)
     for path, lora in adapter.items():  # every path was checked first: nothing is half-merged
         name = path if lora.experts else f"{path}.weight"
         params[name] = _fold(params[name], lora, layouts[path])

@@ -4,6 +4,7 @@ deltas ΔW = scale·B@A, exactness where the math is exact, and parity with PEFT
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -317,6 +318,13 @@ def test_merge_into_a_mapping_uses_model_for_conv1d_layout():
     assert_close(merged[f"{path}.weight"] - state[f"{path}.weight"], ad[path].delta().T, torch.float32)
     with pytest.raises(ValueError, match=r"c_attn.weight is \(32, 96\).*pass model="):
         fa.merge_into(state, ad)
+    # a square Conv1D weight fits either layout: without model= it is taken as (out, in), and said so
+    square = random_adapter(model, ["attn.c_proj"], r=4, seed=2)
+    with pytest.warns(UserWarning, match=r"2 square weight\(s\).*transformer.h.0.attn.c_proj.*Pass model="):
+        fa.merge_into(state, square)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa.merge_into(state, square, model=model)
 
 
 def test_merge_into_keeps_dtype_and_adds_in_fp32():
