@@ -176,12 +176,27 @@ def functional_call(
         call = lambda i: functional_call(model, i[0], i[1], i[2], params=i[3], adapter_ids=i[4], impl=impl)  # noqa: E731
         return call_below(level, call, inputs)
     if params:
-        run = lambda: torch.func.functional_call(model, dict(params), args, kwargs)  # noqa: E731
+        tie = not _unties(model, params)
+        run = lambda: torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=tie)  # noqa: E731
     else:
         run = lambda: model(*args, **kwargs)  # noqa: E731
     batch = _batch_size((args, kwargs)) if adapter_ids is not None else None
     with tracked_scope(inputs):  # MAML's outer autograd: every layer leaves its graph beneath the levels
         return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
+
+
+def _unties(model: nn.Module, params: Mapping[str, Tensor]) -> bool:
+    """``params`` gives two names of one tied parameter different tensors: the call unties them
+    (``merge_into``'s W + ΔW for a tied lm_head, the input embedding keeping W, as PEFT adapts
+    lm_head alone), where torch.func.functional_call's default keeps ties and refuses such a
+    mapping. One given name of a tie still stands for both."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in params:
+            other = first.setdefault(id(param), name)
+            if other != name and params[other] is not params[name]:
+                return True
+    return False
 
 
 def scoped_call(

@@ -359,8 +359,10 @@ def merge_into(
     ``functional_call(model, adapter, args)`` with no LoRA work left at inference.
 
     Args:
-        model_or_params: a module (its ``named_parameters()``) or a name -> tensor mapping, with
-            each adapted weight under ``"<path>.weight"`` (an expert LoRA's under its own key).
+        model_or_params: a module (its ``named_parameters()``, every name of a tied parameter
+            included) or a name -> tensor mapping, with each adapted weight under
+            ``"<path>.weight"`` (an expert LoRA's under its own key). A tied ``lm_head`` gets
+            W + ΔW under its own name alone, as PEFT adapts it (``functional_call`` then unties it).
         adapter: an Adapter, or a list of Adapters summed exactly (as ``functional_call`` does).
         model: with a mapping, the module whose layers say how weights are laid out (GPT-2's
             Conv1D stores W as (in, out) and gets (scale·B@A)ᵀ; experts that set ``is_transposed``
@@ -376,7 +378,8 @@ def merge_into(
     """
     if isinstance(model_or_params, nn.Module):
         model = model if model is not None else model_or_params
-        params = dict(model_or_params.named_parameters())
+        # every name of a tied parameter: a tied lm_head's W + ΔW goes to lm_head.weight alone
+        params = dict(model_or_params.named_parameters(remove_duplicate=False))
     elif isinstance(model_or_params, Mapping):
         params = dict(model_or_params)
     else:

@@ -306,6 +306,25 @@ def test_merge_into_equals_running_the_adapter(arch):
         assert (merged[name] is param) == (name[: -len(".weight")] not in ad), name
 
 
+def test_merge_into_a_tied_lm_head_equals_running_the_adapter():
+    """A tied lm_head is adapted alone, as PEFT does: merge_into found no 'lm_head.weight' (tied
+    names are dropped from named_parameters), and functional_call refused the untied mapping."""
+    model, ids = tiny_llama(), token_batch()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    ad = random_adapter(model, ["q_proj", "lm_head"], r=4, seed=3)
+    merged = fa.merge_into(model, ad)
+    assert merged["model.embed_tokens.weight"] is model.model.embed_tokens.weight
+    assert_close(merged["lm_head.weight"] - model.lm_head.weight, ad["lm_head"].delta(), torch.float32)
+    ref = fa.functional_call(model, ad, (ids,)).logits
+    assert_close(fa.functional_call(model, None, (ids,), params=merged).logits, ref, torch.float32)
+    # one name of a tie still stands for both: no adapter, the embedding's weight swapped for both uses
+    scaled = {"model.embed_tokens.weight": 2 * model.model.embed_tokens.weight}
+    want = torch.func.functional_call(model, scaled, (ids,)).logits
+    assert_close(fa.functional_call(model, None, (ids,), params=scaled).logits, want, torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
 def test_merge_into_a_mapping_uses_model_for_conv1d_layout():
     model, ids = tiny_gpt2(), token_batch()
     ad = random_adapter(model, ["c_attn", "c_proj"], r=4, seed=1)
