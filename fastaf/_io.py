@@ -284,6 +284,8 @@ def save_adapter(
             raise ValueError(f"save_adapter: {err}") from err
     peft_config = _peft_config(adapter, config, dropout)
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"save_adapter: {directory} is a file; PEFT's layout is a directory of two files")
     if not distributed.is_writer():
         return directory
     tensors = {}

@@ -244,6 +244,13 @@ def test_unstacked_views_save(tmp_path):
     assert all(torch.equal(back[p].B, l.B) for p, l in first.items())
 
 
+def test_save_onto_a_file_is_a_named_error(tmp_path):
+    (tmp_path / "out").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="out is a file"):
+        fa.save_adapter(random_adapter(tiny_llama(), ["q_proj"]), tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "not a folder"
+
+
 def test_save_rejects_what_peft_cannot_hold(tmp_path):
     model = tiny_llama()
     ad = random_adapter(model, ["q_proj", "v_proj"])

@@ -560,8 +560,8 @@ def extract_adapter(
 
 
 def _as_params(params: nn.Module | Mapping[str, Tensor], what: str) -> dict[str, Tensor]:
-    if isinstance(params, nn.Module):
-        return dict(params.named_parameters())
+    if isinstance(params, nn.Module):  # every name of a tied parameter, as merge_into gives them
+        return dict(params.named_parameters(remove_duplicate=False))
     if isinstance(params, Mapping):
         return dict(params)
     raise TypeError(f"extract_adapter: {what} must be an nn.Module or a name -> tensor mapping, "

@@ -173,7 +173,10 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
         else:
             keys = {p for p in [*named, *params] if p and re.fullmatch(targets, p)}
         if not keys:
-            raise ValueError(f"target {targets!r} matches no module or parameter of {type(model).__name__}")
+            ends = [p for p in [*named, *params] if p.endswith("." + targets)][:3]
+            hint = (f"; a str is a regex over whole paths (these end in it: {ends}): pass [{targets!r}] to select "
+                    "modules by name, or a regex such as '.*" + targets + "'") if ends else ""
+            raise ValueError(f"target {targets!r} matches no module or parameter of {type(model).__name__}{hint}")
     else:
         keys, unmatched = set(), []
         for t in targets:

@@ -95,3 +95,6 @@ def test_targets_that_match_nothing_or_non_linear_are_errors():
         fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets=["mlp"]))
     with pytest.raises(ValueError, match="matches no module"):
         fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets=r"nothing\..*"))
+    # a bare name as a str is a regex over whole paths: the error says how to select by name
+    with pytest.raises(ValueError, match=r"'q_proj' matches no module.*pass \['q_proj'\]"):
+        fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets="q_proj"))
