@@ -69,7 +69,6 @@ _UNSUPPORTED_CONFIG = {
     "lora_bias": "LoRA biases",
     "modules_to_save": "modules_to_save",
     "trainable_token_indices": "trainable tokens",
-    "layers_to_transform": "layers_to_transform",
     "layer_replication": "layer replication",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "use_qalora": "QALoRA",
@@ -484,19 +483,46 @@ def _selected_by(entries: Any, path: str) -> bool:
     return any(selects(t, path) for t in entries or ())
 
 
+def _in_layers(cfg: Mapping[str, Any], path: str) -> bool:
+    """PEFT's ``layers_to_transform`` filter of a path a ``target_modules`` list entry ends: its
+    first numbered segment after ``layers_pattern`` (any name when none) is one of the layers."""
+    layers, patterns = cfg.get("layers_to_transform"), cfg.get("layers_pattern")
+    if layers is None or layers == []:
+        return True
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match["idx"])
+    return index == layers if isinstance(layers, int) else index in layers
+
+
 def _check_selected(paths: list[str], cfg: Mapping[str, Any], file: Path) -> None:
     """Every module LoRA in the file is one PEFT would create from the config: where
-    ``target_modules`` does not select a path (or ``exclude_modules`` does), PEFT drops its
-    factors without a word, and fastaf reading them would disagree with it on one file.
-    ("all-linear" and a missing ``target_modules`` depend on the model: not checked here.)"""
+    ``target_modules`` does not select a path (or ``exclude_modules`` or ``layers_to_transform``
+    leave it out), PEFT drops its factors without a word, and fastaf reading them would disagree
+    with it on one file. ("all-linear" and a missing ``target_modules`` depend on the model: not
+    checked here.) PEFT's order: an exclusion first; a str target is a regex over the whole path;
+    a list entry equal to the path selects it, one it ends in selects it within the layers."""
     targets, excluded = cfg.get("target_modules"), cfg.get("exclude_modules")
     for path in paths:
-        dropped = (targets not in (None, "all-linear") and not _selected_by(targets, path)) \
-            or (excluded is not None and _selected_by(excluded, path))
-        if dropped:
+        if excluded and _selected_by(excluded, path):
+            selected = False
+        elif targets in (None, "all-linear") or isinstance(targets, str):
+            selected = targets in (None, "all-linear") or _selected_by(targets, path)
+        else:
+            selected = path in targets or (_selected_by(targets, path) and _in_layers(cfg, path))
+        if not selected:
             raise ValueError(
                 f"read_adapter: {file}: {path} has LoRA factors, but target_modules={targets!r}"
-                + (f" with exclude_modules={excluded!r}" if excluded is not None else "")
+                + "".join(f" with {field}={cfg[field]!r}" for field in ("exclude_modules", "layers_to_transform",
+                                                                        "layers_pattern") if cfg.get(field))
                 + " does not select it: PEFT would not create its layer and would drop them. Fix the config "
                 "or the weights file"
             )

@@ -275,6 +275,7 @@ PEFT_CONFIGS = {
         alpha_pattern={"layers.0.self_attn.q_proj": 3, "o_proj": 1.5},
     ),
     "patterns_rslora": dict(r=4, lora_alpha=16, use_rslora=True, rank_pattern={"o_proj": 8}, alpha_pattern={"v_proj": 2}),
+    "layers": dict(r=4, lora_alpha=8, layers_to_transform=[1], layers_pattern="layers"),
 }
 
 
@@ -432,7 +433,7 @@ def test_dora_file_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("modules_to_save", ["lm_head"]), ("layers_to_transform", [0]), ("bias", "all"), ("peft_type", "IA3")]
+    "field,value", [("modules_to_save", ["lm_head"]), ("bias", "all"), ("peft_type", "IA3")]
 )
 def test_unsupported_config_fields_are_errors(saved, field, value):
     _, folder = saved
@@ -566,6 +567,15 @@ def test_factors_the_config_does_not_select_are_an_error(saved, changes):
     _edit_config(folder, **changes)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj has LoRA factors, but target_modules="):
         fa.read_adapter(folder)
+
+
+def test_factors_outside_layers_to_transform_are_an_error(saved):
+    _, folder = saved
+    _edit_config(folder, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj has LoRA factors.*layers_to_transform=\[1\]"):
+        fa.read_adapter(folder)
+    _edit_config(folder, layers_to_transform=[0, 1], layers_pattern="layers")
+    assert len(fa.read_adapter(folder)) == 4
 
 
 def test_a_path_that_looks_local_never_goes_to_the_hub(tmp_path, monkeypatch):
