@@ -180,7 +180,7 @@ def functional_call(
         run = lambda: torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=tie)  # noqa: E731
     else:
         run = lambda: model(*args, **kwargs)  # noqa: E731
-    batch = _batch_size((args, kwargs)) if adapter_ids is not None else None
+    batch = _batch_size(args, kwargs) if adapter_ids is not None else None
     with tracked_scope(inputs):  # MAML's outer autograd: every layer leaves its graph beneath the levels
         return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
 
@@ -207,12 +207,13 @@ def scoped_call(
     params: Mapping[str, Tensor] | None = None,
     adapter_ids: Tensor | None = None,
     impl: str = "auto",
-    batch: int | None = None,
+    batch: int | tuple[int, str] | None = None,
 ) -> Any:
     """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
     machinery, for callers that run the model another way (``fastaf.generate``).
 
-    ``batch``: the number of examples the run's layers see, which ``adapter_ids`` must match.
+    ``batch``: the number of examples the run's layers see, which ``adapter_ids`` must match
+    (or that and the input it was read from).
     """
     adapter = _combine(adapter)
     if adapter is None or len(adapter) == 0:
@@ -282,13 +283,26 @@ def _warn_recompile_limit(model: nn.Module, routes: list[Route]) -> None:
             )
 
 
-def _batch_size(inputs: Any) -> int | None:
-    """The leading size of the first tensor among the call's inputs (input_ids, pixel_values, ...)."""
-    leaves = torch.utils._pytree.tree_leaves(inputs)
-    return next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
+# keyword inputs whose leading size is the batch, in the order they are asked
+_BATCH_INPUTS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "input_values")
 
 
-def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
+def _batch_size(args: tuple, kwargs: dict) -> tuple[int, str] | None:
+    """(the batch size, the input it was read from): the leading size of a model input known to
+    lead with the batch, else of the first positional tensor; None when neither is there (a
+    ``position_ids`` (1, T) or ``cache_position`` (T,) keyword gives no batch size). Each layer
+    checks its rows against the ids anyway."""
+    for name in _BATCH_INPUTS:
+        t = kwargs.get(name)
+        if isinstance(t, Tensor) and t.dim() > 0:
+            return t.shape[0], f"{name} {tuple(t.shape)}"
+    for i, t in enumerate(torch.utils._pytree.tree_leaves(args)):
+        if isinstance(t, Tensor) and t.dim() > 0:
+            return t.shape[0], f"positional input {i} {tuple(t.shape)}"
+    return None
+
+
+def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None) -> None:
     """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got {type(ids).__name__}")
@@ -300,8 +314,10 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | None) -> None:
     n = {l.A.shape[0] for l in adapter.values() if l.stacked}
     if len(n) > 1:
         raise ValueError(f"fastaf: the stacked adapter's paths disagree on the stack size: {sorted(n)}")
-    if batch is not None and ids.shape[0] != batch:
-        raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {batch} examples")
+    size, source = batch if isinstance(batch, tuple) else (batch, None)
+    if size is not None and ids.shape[0] != size:
+        raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {size} examples"
+                         + (f" (the leading size of {source})" if source else ""))
     if n and ids.numel() and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         # the range check syncs with the device: skipped inside a CUDA-graph capture
         lo, hi = int(ids.min()), int(ids.max())

@@ -70,7 +70,8 @@ def test_bad_ids_and_stacks_are_errors_before_anything_runs():
     cases = [
         (stack, torch.tensor([0, 3]), ValueError, r"in \[-1, 3\).*from 0 to 3"),
         (stack, torch.tensor([0, -2]), ValueError, r"in \[-1, 3\)"),
-        (stack, torch.tensor([0, 1, 2]), ValueError, "3 entries for a batch of 2"),
+        (stack, torch.tensor([0, 1, 2]), ValueError, r"3 entries for a batch of 2 examples \(the leading size of "
+                                                     r"positional input 0 \(2, 12\)\)"),
         (stack, torch.tensor([[0, 1]]), ValueError, "1-D int32/int64"),
         (stack, torch.tensor([0.0, 1.0]), ValueError, "1-D int32/int64"),
         (stack, [0, 1], TypeError, "must be a torch.Tensor"),
@@ -124,6 +125,20 @@ def test_generate_repeats_ids_as_generate_expands_rows(beams, returns, in_config
         one = fa.generate(model, 20.0 * ads[k] if k >= 0 else None, prompts[row:row + 1], **kw)
         if returns <= beams:  # beam search: deterministic per row
             assert torch.equal(mixed[row * returns:(row + 1) * returns], one), f"row {row} (adapter {k})"
+
+
+def test_the_batch_is_read_from_an_input_that_leads_with_it():
+    """position_ids (1, T) before input_ids gave a batch of 1 and refused valid ids."""
+    model = tiny_llama()
+    _, stack = _stack(model, ["q_proj"])
+    ids = token_batch(batch=len(IDS), seq=5)
+    want = fa.functional_call(model, stack, (ids,), adapter_ids=IDS).logits
+    for first in ({"position_ids": torch.arange(5)[None]}, {"cache_position": torch.arange(5)}):
+        got = fa.functional_call(model, stack, (), {**first, "input_ids": ids}, adapter_ids=IDS).logits
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match=r"4 entries for a batch of 5 examples \(the leading size of input_ids"):
+        fa.functional_call(model, stack, (), {"position_ids": torch.arange(5)[None], "input_ids": ids},
+                           adapter_ids=IDS[:4])
 
 
 def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
