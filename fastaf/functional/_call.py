@@ -162,7 +162,10 @@ def functional_call(
         params: name -> tensor replacing the model's parameters/buffers for this call, as in
             ``torch.func.functional_call``.
         adapter_ids: (batch,) integer tensor with a stacked ``adapter`` (``fastaf.stack``):
-            example i uses slot ``adapter_ids[i]``, -1 the base model alone.
+            example i uses slot ``adapter_ids[i]``, -1 the base model alone. Checked before the
+            model runs (one host sync for the range); under ``torch.compile`` the trace checks
+            its type, shape and device, and the range is an assert where the ids are (on CUDA a
+            device-side assert, as torch's own out-of-range indexing).
         impl: kernel choice for every adapted layer ("auto", "triton", "torch").
     Returns:
         Whatever the model returns.
@@ -221,8 +224,8 @@ def scoped_call(
             raise ValueError("fastaf: adapter_ids was given without an adapter (a stacked one, from fastaf.stack)")
         return run()
     compiling = torch.compiler.is_compiling()
-    if adapter_ids is not None and not compiling:
-        _check_ids(adapter_ids, adapter, batch)
+    if adapter_ids is not None:
+        _check_ids(adapter_ids, adapter, batch, values=not compiling)
     mode = adapter_mode(model, adapter, params=params, impl=impl, adapter_ids=adapter_ids)
     routes = mode.all_routes()  # before _WeightWatch keys a route by a second weight
     if not compiling and torch._C._functorch.get_interpreter_stack() and any(is_dtensor(r.weight) for r in routes):
@@ -302,8 +305,11 @@ def _batch_size(args: tuple, kwargs: dict) -> tuple[int, str] | None:
     return None
 
 
-def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None) -> None:
-    """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync)."""
+def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None, *, values: bool = True) -> None:
+    """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync).
+
+    ``values`` False (traced): only what the trace knows (type, shape, dtype, device, the batch);
+    the range needs the values."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
@@ -318,7 +324,12 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None) 
     if size is not None and ids.shape[0] != size:
         raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {size} examples"
                          + (f" (the leading size of {source})" if source else ""))
-    if n and ids.numel() and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if n and ids.numel() and not values:
+        # traced: checked where the ids are, without a host sync (on CUDA a device-side assert,
+        # which ends the process as torch's own out-of-range indexing does)
+        torch._assert_async(((ids >= -1) & (ids < next(iter(n)))).all(),
+                            f"fastaf: adapter_ids must lie in [-1, {next(iter(n))}) for a stack of {next(iter(n))} adapters")
+    elif n and ids.numel() and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         # the range check syncs with the device: skipped inside a CUDA-graph capture
         lo, hi = int(ids.min()), int(ids.max())
         if lo < -1 or hi >= next(iter(n)):

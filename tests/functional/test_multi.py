@@ -141,6 +141,23 @@ def test_the_batch_is_read_from_an_input_that_leads_with_it():
                            adapter_ids=IDS[:4])
 
 
+def test_ids_are_checked_under_compile_too():
+    """Traced, the checks were skipped: ids of -2 ran the base model and a float stack of ids ran.
+    Now the trace checks what it knows, and the values by an assert where the ids are."""
+    model = tiny_llama(layers=1)
+    _, stack = _stack(model, ["q_proj"], n=2)
+    ids = token_batch(batch=3, seq=4)
+    step = torch.compile(lambda st, a: fa.functional_call(model, st, (ids,), adapter_ids=a).logits,
+                         fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(step(stack, torch.tensor([0, 1, -1])),
+                               fa.functional_call(model, stack, (ids,), adapter_ids=torch.tensor([0, 1, -1])).logits)
+    for bad in ([-2, 0, 1], [0, 2, 1]):
+        with pytest.raises(RuntimeError, match=r"adapter_ids must lie in \[-1, 2\)"):
+            step(stack, torch.tensor(bad))
+    with pytest.raises(Exception, match="adapter_ids must be a 1-D int32/int64 tensor"):  # in dynamo's own error
+        step(stack, torch.tensor([0.0, 1.0, 1.0]))
+
+
 def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     class TimeFirst(torch.nn.Module):
         def __init__(self):
