@@ -180,6 +180,20 @@ class _LoRAMultiFn(torch.autograd.Function):
         ctx.call = _CALL.tracked
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
+        ctx.save_for_forward(x, weight, bias, a, b, ids)
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, a_t, b_t, *_):
+        """Forward mode (torch.func.jvp, jacfwd): the reference's, linearized by torch.func.jvp."""
+        x, weight, bias, a, b, ids = ctx.saved_tensors
+        primals = (x, weight, a, b) + (() if bias is None else (bias,))
+        tangents = tuple(torch.zeros_like(p) if t is None else t
+                         for p, t in zip(primals, (x_t, weight_t, a_t, b_t, bias_t)))
+
+        def fwd(x, weight, a, b, *bias):
+            return reference_fwd(x, weight, bias[0] if bias else None, a, b, ids, ctx.scale)[0]
+
+        return torch.func.jvp(fwd, primals, tangents)[1], None  # h is marked non-differentiable
 
     @staticmethod
     def backward(ctx, dy, _dh):

@@ -841,3 +841,34 @@ def test_a_weight_used_outside_its_module_is_adapted():
         warnings.simplefilter("error")  # no "did not run" warning: the weight was used and adapted
         got = fa.functional_call(model, fa.Adapter({"out_proj": lora}), (x,))
     torch.testing.assert_close(got, model(x) + 0.5 * (x @ lora.A.T) @ lora.B.T)
+
+
+# ---- forward mode -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_forward_mode_matches_the_merged_model(make):
+    """torch.func.jvp, jacfwd and jvp of grad (Hessian-vector products) through the op's own jvp
+    rule, against the same transforms of the merged model (torch's linear layers). They raised
+    torch's "You must implement the jvp function" before."""
+    model, ids = make(layers=1), token_batch(batch=2, seq=5)
+    targets = MODELS["gpt2"][1] if make is tiny_gpt2 else ["q_proj", "v_proj", "down_proj"]
+    ad, tangent = random_adapter(model, targets, seed=1), random_adapter(model, targets, seed=2)
+
+    def run(a):
+        return fa.functional_call(model, a, (ids,)).logits
+
+    def merged(a):
+        return torch.func.functional_call(model, fa.merge_into(model, a), (ids,)).logits
+
+    for f, ref in ((run, merged), (lambda a: run(a).square().mean(), lambda a: merged(a).square().mean())):
+        (y, y_t), (y0, y0_t) = torch.func.jvp(f, (ad,), (tangent,)), torch.func.jvp(ref, (ad,), (tangent,))
+        assert rel_err(y, y0) < 1e-5 and rel_err(y_t, y0_t) < 1e-5
+    hvp = torch.func.jvp(torch.func.grad(lambda a: run(a).square().mean()), (ad,), (tangent,))[1]
+    hvp0 = torch.func.jvp(torch.func.grad(lambda a: merged(a).square().mean()), (ad,), (tangent,))[1]
+    for got, want in zip(pytree.tree_leaves(hvp), pytree.tree_leaves(hvp0)):
+        assert rel_err(got, want) < 1e-4
+    jac = torch.func.jacfwd(lambda a: run(a)[0, -1, :3])(ad)
+    jac0 = torch.func.jacfwd(lambda a: merged(a)[0, -1, :3])(ad)
+    for got, want in zip(pytree.tree_leaves(jac), pytree.tree_leaves(jac0)):
+        assert rel_err(got, want) < 1e-5

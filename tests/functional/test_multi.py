@@ -158,6 +158,23 @@ def test_ids_are_checked_under_compile_too():
         step(stack, torch.tensor([0.0, 1.0, 1.0]))
 
 
+def test_forward_mode_over_per_example_adapters():
+    """torch.func.jvp over a stack with adapter_ids: each row's tangent is its own adapter's, the
+    base rows' zero (the grouped op's jvp rule; torch's "implement the jvp function" before)."""
+    model = tiny_llama(layers=1)
+    ads, stack = _stack(model, ["q_proj", "v_proj"], n=2)
+    tans = [random_adapter(model, ["q_proj", "v_proj"], r=2 + i, alpha=4.0 + i, seed=10 + i) for i in range(2)]
+    ids, rows = token_batch(batch=3, seq=5), torch.tensor([1, -1, 0])
+    _, y_t = torch.func.jvp(lambda st: fa.functional_call(model, st, (ids,), adapter_ids=rows).logits,
+                            (stack,), (fa.stack(tans),))
+    for row, k in enumerate(rows.tolist()):
+        if k < 0:
+            assert not y_t[row].any()
+            continue
+        merged = lambda a: torch.func.functional_call(model, fa.merge_into(model, a), (ids[row:row + 1],)).logits  # noqa: E731
+        assert rel_err(y_t[row:row + 1], torch.func.jvp(merged, (ads[k],), (tans[k],))[1]) < 1e-5
+
+
 def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     class TimeFirst(torch.nn.Module):
         def __init__(self):
