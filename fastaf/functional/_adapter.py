@@ -203,10 +203,11 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
             f"A {tuple(b.A.shape)}/B {tuple(b.B.shape)}: feature sizes differ"
         )
     if a.experts != b.experts or a.A.shape[:-2] != b.A.shape[:-2]:
-        raise ValueError(
-            f"{where}: cannot add A {tuple(a.A.shape)} and A {tuple(b.A.shape)}: a stacked and an unstacked "
-            "LoRA, an expert and a plain one, or different stack or expert counts"
-        )
+        why = ("an expert LoRA and a plain one" if a.experts != b.experts else
+               "a stacked LoRA and an unstacked one" if a.stacked != b.stacked else
+               f"stack sizes {a.A.shape[0]} and {b.A.shape[0]}" if a.stacked and a.A.shape[0] != b.A.shape[0] else
+               f"expert counts {a.A.shape[-3]} and {b.A.shape[-3]}")
+        raise ValueError(f"{where}: cannot add A {tuple(a.A.shape)} and A {tuple(b.A.shape)}: {why}")
     if a.dropout != b.dropout:
         raise ValueError(
             f"{where}: cannot add LoRAs with dropout {a.dropout} and {b.dropout}; set one with "

@@ -155,6 +155,14 @@ def test_a_path_given_twice_is_an_error():
     assert fa.Adapter([("x", l1), ("y", l2)])["y"] is l2
 
 
+def test_adding_stacks_of_other_sizes_says_so():
+    two, three = fa.stack([adapter(0)] * 2), fa.stack([adapter(1)] * 3)
+    with pytest.raises(ValueError, match=r"l0: cannot add .*: stack sizes 2 and 3$"):
+        two + three
+    with pytest.raises(ValueError, match="a stacked LoRA and an unstacked one"):
+        two + adapter(2)
+
+
 def test_add_keeps_paths_of_either_side():
     a = fa.Adapter({"x": lora(seed=1)})
     b = fa.Adapter({"y": lora(seed=2)})
