@@ -156,7 +156,7 @@ def test_bad_expert_loras_are_named_errors():
         fa.init_adapter(base, fa.LoRAConfig(r=2, alpha=2, targets="all-linear", dropout=0.1))
     with pytest.raises(ValueError, match=r"expert LoRA \(A \(4, 4, 32\)\) cannot have dropout"):
         fa.LoRA(good.A, good.B, 1.0, 0.1, experts=True)
-    with pytest.raises(ValueError, match=r"cannot add.*expert and a plain one"):
+    with pytest.raises(ValueError, match=r"cannot add.*an expert LoRA and a plain one"):
         fa.Adapter({"x": good}) + fa.Adapter({"x": fa.LoRA(good.A[0], good.B[0])})
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate'.*MixtralTopKRouter.*'model.layers.0.mlp.gate.weight'"):
         fa.init_adapter(base, fa.LoRAConfig(r=2, alpha=2, targets=["mlp.gate"]))
