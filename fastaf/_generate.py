@@ -40,14 +40,23 @@ def generate(
     batch = _batch(generate_kwargs)
     if isinstance(adapter_ids, torch.Tensor) and adapter_ids.dim() == 1 and adapter_ids.shape[0] == batch:
         # generate expands each row max(num_beams, num_return_sequences) times (repeat_interleave,
-        # transformers 5's _expand_inputs_for_generation); keywords override the config it uses
-        config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-        returns = generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1
-        expand = max(beams, returns)
+        # transformers 5's _expand_inputs_for_generation)
+        expand = max(_setting(model, generate_kwargs, "num_beams"), _setting(model, generate_kwargs, "num_return_sequences"))
         if expand > 1:
             adapter_ids, batch = adapter_ids.repeat_interleave(expand), batch * expand
     return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=adapter_ids, batch=batch)
+
+
+def _setting(model: nn.Module, generate_kwargs: dict, field: str) -> int:
+    """A generation setting as generate resolves it: the keyword, else the passed
+    ``generation_config``'s value where set (transformers 5 leaves unset fields None), else the
+    model's ``generation_config`` (BART's and T5's ship num_beams 4-5), else 1."""
+    passed = generate_kwargs.get("generation_config")
+    for value in (generate_kwargs.get(field), getattr(passed, field, None),
+                  getattr(getattr(model, "generation_config", None), field, None)):
+        if value is not None:
+            return int(value) or 1
+    return 1
 
 
 def _batch(generate_kwargs: dict) -> int:

@@ -29,7 +29,7 @@ from ._below_grad import call_below, grad_level
 from ._mode import LoRAMode, adapter_mode
 from ._modules import LinearSpec, compiled_class
 from ._routes import Route, is_dtensor
-from ._transforms import tracked_scope
+from ._transforms import _bottom, tracked_scope
 
 
 # Whether an eager call may carry the adapter on its weights (``_carrier``) instead of entering a
@@ -179,8 +179,8 @@ def functional_call(
         call = lambda i: functional_call(model, i[0], i[1], i[2], params=i[3], adapter_ids=i[4], impl=impl)  # noqa: E731
         return call_below(level, call, inputs)
     if params:
-        tie = not _unties(model, params)
-        run = lambda: torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=tie)  # noqa: E731
+        given, tie = _tied_params(model, params)
+        run = lambda: torch.func.functional_call(model, given, args, kwargs, tie_weights=tie)  # noqa: E731
     else:
         run = lambda: model(*args, **kwargs)  # noqa: E731
     batch = _batch_size(args, kwargs) if adapter_ids is not None else None
@@ -188,18 +188,38 @@ def functional_call(
         return scoped_call(model, adapter, run, params=params, adapter_ids=adapter_ids, impl=impl, batch=batch)
 
 
-def _unties(model: nn.Module, params: Mapping[str, Tensor]) -> bool:
-    """``params`` gives two names of one tied parameter different tensors: the call unties them
-    (``merge_into``'s W + ΔW for a tied lm_head, the input embedding keeping W, as PEFT adapts
-    lm_head alone), where torch.func.functional_call's default keeps ties and refuses such a
-    mapping. One given name of a tie still stands for both."""
-    first: dict[int, str] = {}
+def _tied_params(model: nn.Module, params: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], bool]:
+    """(the mapping to call with, torch.func's ``tie_weights``) for ``params``.
+
+    Where ``params`` gives names of one tied parameter different tensors (``merge_into``'s W + ΔW
+    for a tied lm_head beside the input embedding's W, as PEFT adapts lm_head alone), the call
+    unties them, which torch.func's default (ties kept) refuses. Untied, no tie holds: every name
+    of each tie that ``params`` leaves out is filled from the first name it gives (BART's four
+    names of one embedding, lm_head given apart, keep the other three on the given shared
+    weight). Otherwise ``params`` as it is, with ties kept. Tensors are told apart beneath
+    torch.func's wrappers: a grad level wraps each name of one tensor apart."""
+    groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name in params:
-            other = first.setdefault(id(param), name)
-            if other != name and params[other] is not params[name]:
-                return True
-    return False
+        groups.setdefault(id(param), []).append(name)
+    ties = [names for names in groups.values() if len(names) > 1]
+    traced = torch.compiler.is_compiling()  # dynamo folds `is`; it does not trace the unwrapping
+
+    def same(a: Tensor, b: Tensor) -> bool:
+        return a is b or (not traced and _bottom(a) is _bottom(b))
+
+    split = False
+    for names in ties:
+        given = [params[n] for n in names if n in params]
+        split = split or any(not same(given[0], t) for t in given[1:])
+    if not split:
+        return dict(params), True
+    filled = dict(params)
+    for names in ties:
+        given = next((n for n in names if n in params), None)
+        if given is not None:
+            for name in names:
+                filled.setdefault(name, params[given])
+    return filled, False
 
 
 def scoped_call(

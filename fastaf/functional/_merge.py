@@ -158,7 +158,8 @@ def _check_options(method: str, r: Any, density: Any, seed: Any) -> tuple[int | 
         if density is None:
             raise ValueError(f"fastaf.merge: method={method!r} needs density in (0, 1]")
         try:
-            value = _as_scalar(density)
+            is_bool = isinstance(density, torch.Tensor) and density.dtype == torch.bool
+            value = math.nan if is_bool else _as_scalar(density)
         except (TypeError, ValueError):
             value = math.nan
         if not 0.0 < value <= 1.0:
@@ -359,10 +360,10 @@ def merge_into(
     ``functional_call(model, adapter, args)`` with no LoRA work left at inference.
 
     Args:
-        model_or_params: a module (its ``named_parameters()``, every name of a tied parameter
-            included) or a name -> tensor mapping, with each adapted weight under
-            ``"<path>.weight"`` (an expert LoRA's under its own key). A tied ``lm_head`` gets
-            W + ΔW under its own name alone, as PEFT adapts it (``functional_call`` then unties it).
+        model_or_params: a module (its ``named_parameters()``) or a name -> tensor mapping, with
+            each adapted weight under ``"<path>.weight"`` (an expert LoRA's under its own key).
+            An adapted ``lm_head`` tied to the input embedding gets W + ΔW under its own name,
+            beside the embedding's W, as PEFT adapts it alone (``functional_call`` unties them).
         adapter: an Adapter, or a list of Adapters summed exactly (as ``functional_call`` does).
         model: with a mapping, the module whose layers say how weights are laid out (GPT-2's
             Conv1D stores W as (in, out) and gets (scale·B@A)ᵀ; experts that set ``is_transposed``
@@ -376,23 +377,32 @@ def merge_into(
         tensors themselves, not copies. Neither the model nor the mapping is changed. The result
         is differentiable in the adapter's factors.
     """
-    if isinstance(model_or_params, nn.Module):
-        model = model if model is not None else model_or_params
-        # every name of a tied parameter: a tied lm_head's W + ΔW goes to lm_head.weight alone
-        params = dict(model_or_params.named_parameters(remove_duplicate=False))
-    elif isinstance(model_or_params, Mapping):
-        params = dict(model_or_params)
-    else:
+    if not isinstance(model_or_params, (nn.Module, Mapping)):
         raise TypeError(
             "merge_into takes an nn.Module or a name -> tensor mapping, "
             f"got {type(model_or_params).__name__}"
         )
     adapter = _sum_adapters(adapter)
+    if isinstance(model_or_params, nn.Module):
+        model = model if model is not None else model_or_params
+        params = dict(model_or_params.named_parameters())
+        # a tied weight is listed once (the embedding's): an adapted tied lm_head gets its own
+        # name for its W + ΔW, as PEFT adapts it alone (an unadapted alias would split the tie's
+        # gradient under torch.func)
+        aliases = dict(model_or_params.named_parameters(remove_duplicate=False))
+        for path, lora in adapter.items():
+            name = path if lora.experts else f"{path}.weight"
+            if name not in params and name in aliases:
+                params[name] = aliases[name]
+    else:
+        params = dict(model_or_params)
     modules = dict(model.named_modules()) if model is not None else None
     layouts = {path: _check_fit(path, lora, params, modules) for path, lora in adapter.items()}
     if modules is None:
         square = [p for p, l in adapter.items() if not l.experts and l.in_features == l.out_features]
-        if square:  # GPT-2's square c_proj merged as nn.Linear's was 0.55 logits off, without a word
+        # GPT-2's square c_proj merged as nn.Linear's was 0.55 logits off, without a word (not
+        # while tracing: dynamo cannot trace a warning, and fullgraph would fail on it)
+        if square and not torch.compiler.is_compiling():
             warnings.warn(
                 f"merge_into: no model= to tell how {len(square)} square weight(s) are laid out ({square[0]!r}, "
                 "...): each is taken as nn.Linear's (out, in); for a Conv1D (GPT-2) weight, stored (in, out), that "
@@ -544,7 +554,7 @@ def extract_adapter(
         raise ValueError(f"extract_adapter: r must be an int >= 1, got {r!r}")
     if model is None:
         model = next((m for m in (base_params, tuned_params) if isinstance(m, nn.Module)), None)
-    base, tuned = _as_params(base_params, "base_params"), _as_params(tuned_params, "tuned_params")
+    base, tuned = _as_params(base_params, "base_params", aliases=True), _as_params(tuned_params, "tuned_params")
     layouts = _layouts(model) if model is not None else None
     paths = _changed_paths(base, tuned, layouts, names)
     progress = _Progress("fastaf.extract_adapter", len(paths), verbose)
@@ -559,9 +569,11 @@ def extract_adapter(
     return Adapter(loras)
 
 
-def _as_params(params: nn.Module | Mapping[str, Tensor], what: str) -> dict[str, Tensor]:
-    if isinstance(params, nn.Module):  # every name of a tied parameter, as merge_into gives them
-        return dict(params.named_parameters(remove_duplicate=False))
+def _as_params(params: nn.Module | Mapping[str, Tensor], what: str, *, aliases: bool = False) -> dict[str, Tensor]:
+    """A module's parameters by name; ``aliases``: every name of a tied one (the base side, looked
+    up by the tuned side's names: merge_into gives an adapted tied lm_head its own)."""
+    if isinstance(params, nn.Module):
+        return dict(params.named_parameters(remove_duplicate=not aliases))
     if isinstance(params, Mapping):
         return dict(params)
     raise TypeError(f"extract_adapter: {what} must be an nn.Module or a name -> tensor mapping, "

@@ -325,6 +325,53 @@ def test_merge_into_a_tied_lm_head_equals_running_the_adapter():
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
 
 
+def test_merge_into_keeps_an_unadapted_tie_and_its_gradient():
+    """Only an adapted tied lm_head gets a name of its own: listing the unadapted alias split the
+    tied embedding's gradient between the two names under torch.func (5.7e-3 off)."""
+    model, ids = tiny_gpt2(layers=1), token_batch()
+    ad = random_adapter(model, ["c_attn"], r=4, seed=1)
+    merged = {k: v.detach() for k, v in fa.merge_into(model, ad).items()}
+    assert "lm_head.weight" not in merged and set(merged) == set(dict(model.named_parameters()))
+
+    def loss(params):
+        return fa.functional_call(model, None, (ids,), params=params).logits.square().mean()
+
+    def loss_torch(params):
+        return torch.func.functional_call(model, params, (ids,)).logits.square().mean()
+
+    got, want = torch.func.grad(loss)(merged), torch.func.grad(loss_torch)(merged)
+    assert_close(got["transformer.wte.weight"], want["transformer.wte.weight"], torch.float32)
+
+
+def test_untying_one_name_keeps_the_other_names_of_its_tie():
+    """BART ties four names to one embedding: given the shared weight and lm_head apart, the
+    encoder's and decoder's embeddings follow the given shared weight, not the module's own."""
+    from tests._models import tiny_bart
+
+    model = tiny_bart().eval()
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is model.model.shared.weight]
+    assert len(names) == 4 and names[-1] == "lm_head.weight"
+    x = token_batch(batch=1, seq=5)
+    params = {**dict(model.named_parameters()), names[0]: torch.zeros_like(model.model.shared.weight),
+              "lm_head.weight": model.lm_head.weight + 1.0}
+    want = torch.func.functional_call(model, {**params, **{n: params[names[0]] for n in names[1:-1]}}, (x,),
+                                      {"decoder_input_ids": x}, tie_weights=False).logits
+    got = fa.functional_call(model, None, (x,), {"decoder_input_ids": x}, params=params).logits
+    assert_close(got, want, torch.float32)
+
+
+def test_merge_into_a_mapping_compiles_with_fullgraph():
+    """The square-weight warning is not raised while tracing (dynamo cannot trace a warning)."""
+    model, ids = tiny_llama(layers=1), token_batch(batch=2, seq=5)
+    ad, params = random_adapter(model, ["q_proj"], seed=1), dict(model.named_parameters())
+    step = torch.compile(lambda a: fa.functional_call(model, None, (ids,), params=fa.merge_into(params, a)).logits,
+                         fullgraph=True, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = fa.functional_call(model, ad, (ids,)).logits
+    assert_close(step(ad), want, torch.float32)
+
+
 def test_merge_into_a_mapping_uses_model_for_conv1d_layout():
     model, ids = tiny_gpt2(), token_batch()
     ad = random_adapter(model, ["c_attn", "c_proj"], r=4, seed=1)

@@ -175,6 +175,23 @@ def test_forward_mode_over_per_example_adapters():
         assert rel_err(y_t[row:row + 1], torch.func.jvp(merged, (ads[k],), (tans[k],))[1]) < 1e-5
 
 
+def test_generate_takes_unset_config_fields_from_the_models_config():
+    """A passed GenerationConfig leaves num_beams None; generate then reads the model's (BART's and
+    T5's ship 4-5): the ids must be expanded by it too."""
+    from transformers import GenerationConfig
+
+    model = tiny_llama()
+    model.generation_config.num_beams = 2
+    ads, _ = _stack(model, ["q_proj", "v_proj"], n=2)
+    stack, rows = fa.stack([20.0 * a for a in ads]), torch.tensor([1, 0])
+    prompts = token_batch(batch=2, seq=5)
+    config = GenerationConfig(max_new_tokens=3, pad_token_id=0, do_sample=False)
+    mixed = fa.generate(model, stack, prompts, adapter_ids=rows, generation_config=config)
+    for row, k in enumerate(rows.tolist()):
+        one = fa.generate(model, 20.0 * ads[k], prompts[row:row + 1], generation_config=config)
+        assert torch.equal(mixed[row:row + 1], one), row
+
+
 def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     class TimeFirst(torch.nn.Module):
         def __init__(self):
