@@ -49,8 +49,9 @@ _NAME_KEY = "fastaf.name"  # safetensors metadata: the adapter's name (PEFT igno
 _PARAMS_KEY = "fastaf.parameters"  # metadata: JSON {key prefix: parameter name} of expert LoRAs
 _NESTED = ".base_layer"  # PEFT's prefix step for each ParamWrapper a parameter's LoRA sits inside
 _FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
-# PEFT's save_embedding_layers: with an embedding layer targeted (lm_head), its base weight too
-_BASE_WEIGHT = ".base_layer.weight"
+# PEFT's save_embedding_layers: with an embedding layer targeted (lm_head), its base weight
+# (and bias) too
+_BASE_PARAMS = (".base_layer.weight", ".base_layer.bias")
 
 # Key fragments of PEFT features that change what the adapter computes; fastaf has none of them.
 _UNSUPPORTED_KEYS = {
@@ -622,32 +623,33 @@ def _build_lora(path: str, A: torch.Tensor, B: torch.Tensor, cfg: Mapping[str, A
         raise ValueError(f"{where}: {err}") from err
 
 
-def _check_base_weights(weights: Mapping[str, torch.Tensor], adapter: Adapter, model: nn.Module | None,
+def _check_base_weights(weights: Mapping[tuple[str, str], torch.Tensor], adapter: Adapter, model: nn.Module | None,
                         file: Path) -> None:
-    """The base weights a PEFT folder carries beside a targeted embedding layer's LoRA (its
-    ``save_embedding_layers``: ``lm_head.base_layer.weight``). fastaf adapts the model's own
-    weights and never loads base weights: with ``model`` each must equal the model's (compared in
-    the lower precision of the two), else the adapter was trained over other base weights (a
-    resized or trained embedding); without it, a warning says they were not checked."""
-    for path, saved in weights.items():
+    """The base parameters a PEFT folder carries beside a targeted embedding layer's LoRA (its
+    ``save_embedding_layers``: ``lm_head.base_layer.weight``, ``.bias``), by (path, name). fastaf
+    adapts the model's own weights and never loads base ones: with ``model`` each must equal the
+    model's (compared in the lower precision of the two), else the adapter was trained over other
+    base weights (a resized or trained embedding); without it, a warning says they were not checked."""
+    for (path, name), saved in weights.items():
+        what = f"{path}.{name} {tuple(saved.shape)}"
         if path not in adapter:
             raise ValueError(
-                f"read_adapter: {file}: holds a base weight for {path} ({tuple(saved.shape)}) without a LoRA "
-                "there (a trained or resized module), which fastaf does not load"
+                f"read_adapter: {file}: holds the base parameter {what} without a LoRA at {path} (a trained "
+                "or resized module), which fastaf does not load"
             )
         if model is None:
             warnings.warn(
-                f"read_adapter: {file} also holds {path}'s base weight {tuple(saved.shape)}, as PEFT saves a "
-                "targeted embedding layer's; fastaf keeps the model's own weight. Pass model= to check they are "
-                "equal", stacklevel=4)
+                f"read_adapter: {file} also holds the base parameter {what}, as PEFT saves a targeted embedding "
+                "layer's; fastaf keeps the model's own. Pass model= to check they are equal", stacklevel=4)
             continue
-        weight = getattr(dict(model.named_modules()).get(path), "weight", None)
-        low = saved.dtype if saved.element_size() <= weight.element_size() else weight.dtype
-        if saved.shape != weight.shape or not torch.equal(saved.to(weight.device, low), weight.detach().to(low)):
+        own = getattr(dict(model.named_modules()).get(path), name, None)
+        low = None if own is None else saved.dtype if saved.element_size() <= own.element_size() else own.dtype
+        if own is None or saved.shape != own.shape or not torch.equal(saved.to(own.device, low), own.detach().to(low)):
             raise ValueError(
-                f"read_adapter: {file}: its base weight for {path} {tuple(saved.shape)} differs from the model's "
-                f"{tuple(weight.shape)}: the adapter was trained over other base weights (a resized or trained "
-                "embedding). fastaf adapts the model's own frozen weights: load those weights into the model first"
+                f"read_adapter: {file}: its base parameter {what} differs from the model's "
+                f"{None if own is None else tuple(own.shape)}: the adapter was trained over other base weights (a "
+                "resized or trained embedding). fastaf adapts the model's own frozen weights: load those into the "
+                "model first"
             )
 
 
@@ -735,8 +737,8 @@ def read_adapter_and_name(
     cfg = _parse_config(files[CONFIG_NAME], folder / CONFIG_NAME)
     tensors, metadata = _parse_tensors(files[WEIGHTS_NAME], folder)
     file = folder / WEIGHTS_NAME
-    base_weights = {key[len(_PREFIX):-len(_BASE_WEIGHT)]: tensors.pop(key) for key in list(tensors)
-                    if key.startswith(_PREFIX) and key.endswith(_BASE_WEIGHT)}
+    base_weights = {(key[len(_PREFIX):].rpartition(".base_layer.")[0], key.rpartition(".")[2]): tensors.pop(key)
+                    for key in list(tensors) if key.startswith(_PREFIX) and key.endswith(_BASE_PARAMS)}
     pairs = _pair_factors(tensors, file)
     params = _parameter_keys(list(pairs), cfg, metadata, model, file)
     _check_selected([p for p in pairs if p not in params], cfg, file)

@@ -313,10 +313,10 @@ def test_peft_folder_with_a_targeted_lm_heads_base_weight_reads(tmp_path, tied):
     assert sorted(adapter) == ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     ids = token_batch()
     assert_close(_fa_logits(model, adapter, ids), _peft_logits(peft_model.eval(), ids), F32)
-    with pytest.warns(UserWarning, match="also holds lm_head's base weight"):
+    with pytest.warns(UserWarning, match=r"also holds the base parameter lm_head\.weight"):
         fa.read_adapter(tmp_path)
     _rewrite(tmp_path, lambda t: {k: (v + 1 if k.endswith("lm_head.base_layer.weight") else v) for k, v in t.items()})
-    with pytest.raises(ValueError, match="base weight for lm_head .* differs from the model's"):
+    with pytest.raises(ValueError, match=r"base parameter lm_head\.weight .* differs from the model's"):
         fa.read_adapter(tmp_path, model=model)
 
 

@@ -175,7 +175,7 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
         if not keys:
             ends = [p for p in [*named, *params] if p.endswith("." + targets)][:3]
             hint = (f"; a str is a regex over whole paths (these end in it: {ends}): pass [{targets!r}] to select "
-                    "modules by name, or a regex such as '.*" + targets + "'") if ends else ""
+                    "modules by name, or a regex such as '.*\\." + targets + "'") if ends else ""
             raise ValueError(f"target {targets!r} matches no module or parameter of {type(model).__name__}{hint}")
     else:
         keys, unmatched = set(), []

@@ -9,7 +9,6 @@ the same way, to A (n, E, r_max, in) and B (n, E, out, r_max).
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -28,11 +27,12 @@ def stack(adapters: Sequence[Adapter]) -> Adapter:
         Adapter with A (n, r_max, in) and B (n, out, r_max) per path (A (n, E, r_max, in) and
         B (n, E, out, r_max) for expert LoRAs).
 
-    Training the stack's leaves: where a path's scales differ, a slot's B is stored times its
-    ratio ρ (at most 1) to the stack's scale, so its gradient is the adapter's own B gradient
+    Training the stack's own tensors: where a path's scales differ, a slot's B is stored times
+    its ratio ρ (at most 1) to the stack's scale, so its gradient is the adapter's own B gradient
     over ρ: an SGD step moves that adapter's B 1/ρ² as far as training it alone, an Adam step
-    1/ρ. Exact for the forward and every ΔW; warned when factors that require grad are stacked
-    so. Give the adapters one scale to train a stack as they train alone.
+    1/ρ. The forward and every ΔW are exact, and so are the gradients that reach each adapter's
+    own factors through a stack made again each step. Give the adapters one scale to train the
+    stack's tensors as they train alone.
     """
     adapters = list(adapters)
     if not adapters:
@@ -43,25 +43,7 @@ def stack(adapters: Sequence[Adapter]) -> Adapter:
         if any(l.stacked for l in ad.values()):
             raise ValueError(f"fastaf.stack: adapter {i} is already stacked")
     paths = list(dict.fromkeys(p for ad in adapters for p in ad))
-    stacked = Adapter({p: _stack_path(p, [ad.get(p) for ad in adapters]) for p in paths})
-    _warn_trained_scales(adapters, paths)
-    return stacked
-
-
-def _warn_trained_scales(adapters: list[Adapter], paths: list[str]) -> None:
-    """Warn where trainable factors are stacked with differing scales (``stack``'s docstring)."""
-    for path in paths:
-        present = [ad[path] for ad in adapters if path in ad]
-        scales = {l.scale for l in present}
-        if len(scales) > 1 and any(l.A.requires_grad or l.B.requires_grad for l in present):
-            warnings.warn(
-                f"fastaf.stack: {path}: the adapters' scales differ ({sorted(scales)}); each slot's B is stored "
-                "times its ratio to the largest, which is exact for the forward and every ΔW, but a slot with "
-                "ratio ρ < 1 gets B gradients 1/ρ times its adapter's own: an optimizer over the stack trains it "
-                "faster than alone (SGD 1/ρ², Adam 1/ρ). Give the adapters one scale to train them as a stack",
-                stacklevel=3,
-            )
-            return
+    return Adapter({p: _stack_path(p, [ad.get(p) for ad in adapters]) for p in paths})
 
 
 def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
