@@ -25,6 +25,7 @@ every rank of ``group`` must call, in the same order.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +52,24 @@ def _flat_leaves(tree: Any, what: str) -> tuple[list[torch.Tensor], Any]:
     return leaves, spec
 
 
+def _check_same_structure(leaves: list[torch.Tensor], spec: Any, what: str, group: dist.ProcessGroup | None) -> None:
+    """Every rank holds the same tree: keys in the same order, shapes, dtypes. The collectives
+    pair tensors by position, so an adapter whose keys another rank lists in another order would
+    swap layers without a word (and a missing one would abort the job inside the backend). One
+    small collective: each rank's fingerprint of its structure, its max and min over the group."""
+    text = repr((str(spec), [(tuple(t.shape), str(t.dtype)) for t in leaves]))
+    value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # fits an int64
+    device = leaves[0].device if leaves else torch.device("cpu")
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != -int(both[1]):
+        raise ValueError(
+            f"fastaf.distributed.{what}: the ranks hold trees of different structure (keys, their order, shapes "
+            f"or dtypes); the tensors are paired by position, so every rank must pass the same one. This rank "
+            f"has {len(leaves)} tensors: {str(spec)[:300]}"
+        )
+
+
 def _check_group(what: str) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"fastaf.distributed.{what}: torch.distributed is not initialized "
@@ -74,13 +93,15 @@ def all_reduce_grads(grads: T, *, group: dist.ProcessGroup | None = None) -> T:
 
     Args:
         grads: an ``Adapter`` of gradients (what ``torch.func.grad`` returns) or any pytree of
-            tensors; the same structure, shapes and dtypes on every rank.
+            tensors; the same structure (an Adapter's keys in the same order), shapes and dtypes
+            on every rank, checked by one small collective before the reduction.
         group: the process group (default: the world).
     Returns:
         A tree like ``grads``; ``grads`` itself is left unchanged.
     """
     _check_group("all_reduce_grads")
     leaves, spec = _flat_leaves(grads, "all_reduce_grads")
+    _check_same_structure(leaves, spec, "all_reduce_grads", group)
     world = dist.get_world_size(group)
 
     def mean(flat: torch.Tensor) -> None:
@@ -95,6 +116,7 @@ def broadcast_adapter(adapter: T, *, src: int = 0, group: dist.ProcessGroup | No
     starts from one adapter on every rank whatever each rank's seed or initialisation."""
     _check_group("broadcast_adapter")
     leaves, spec = _flat_leaves(adapter, "broadcast_adapter")
+    _check_same_structure(leaves, spec, "broadcast_adapter", group)
     return pytree.tree_unflatten(_through_buckets(leaves, lambda flat: dist.broadcast(flat, src=src, group=group)), spec)
 
 

@@ -125,6 +125,12 @@ def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
         torch.compile(_loss, backend="aot_eager", fullgraph=True)(sharded, adapter, local[0])
     except Exception as err:
         results["fsdp2-traced-error"] = f"{type(err).__name__}: {err}"
+    # the same LoRAs with rank 1's keys in another order: paired by position, its layers would swap
+    keys = list(adapter) if rank == 0 else list(adapter)[::-1]
+    try:
+        fa.distributed.all_reduce_grads(fa.Adapter({k: adapter[k] for k in keys}))
+    except ValueError as err:
+        results["order-error"] = str(err)
     # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
     fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
@@ -170,6 +176,7 @@ def _check_ranks(folder, device: torch.device) -> None:
         assert "model.layers.0.self_attn.q_proj" in ranks[r]["fsdp2-traced-error"]
         assert "compile each block" in ranks[r]["fsdp2-traced-error"]
         _assert_close(ranks[r]["read"], ranks[0]["fsdp2-autograd"], f"rank {r} read rank 0's file")  # rank 0 wrote
+        assert "ranks hold trees of different structure" in ranks[r]["order-error"], r
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("results")) == [
         "adapter_config.json", "adapter_model.safetensors"]
 
