@@ -184,7 +184,11 @@ def _check_patterns(cfg: Mapping[str, Any], field: str, file: Path, *, integer: 
 def _parse_config(text: bytes | None, file: Path) -> dict[str, Any]:
     """adapter_config.json as a dict, checked to describe a plain LoRA with sane values."""
     if text is None:
-        raise FileNotFoundError(f"read_adapter: {file} is missing; a PEFT adapter folder needs {CONFIG_NAME}")
+        trainer = (file.parent / "model.safetensors").exists()  # a Trainer checkpoint of a fa.init model
+        hint = ("; this folder holds a whole model (model.safetensors: a Trainer checkpoint, every adapter of a "
+                "fastaf.init model inside): resume it with Trainer(resume_from_checkpoint=...), or write an adapter "
+                "folder with fastaf.save_adapter_to_local_dir") if trainer else ""
+        raise FileNotFoundError(f"read_adapter: {file} is missing; a PEFT adapter folder needs {CONFIG_NAME}{hint}")
     try:
         cfg = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -327,7 +327,10 @@ def _check_unsharded(base: nn.Module, name: str) -> None:
 def _registry(model: nn.Module) -> _Registry:
     registry = getattr(model, _ATTR, None)
     if not isinstance(registry, _Registry):
-        raise RuntimeError(f"{type(model).__name__} has no fastaf adapters; call fastaf.init(model) first")
+        inner = getattr(model, "module", None)  # DDP's and accelerate's wrappers hold the model there
+        hint = (" (it wraps one that has them: pass its .module)"
+                if isinstance(getattr(inner, _ATTR, None), _Registry) else "; call fastaf.init(model) first")
+        raise RuntimeError(f"{type(model).__name__} has no fastaf adapters{hint}")
     return registry
 
 

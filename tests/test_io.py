@@ -477,6 +477,13 @@ def test_missing_files_are_errors(saved, tmp_path):
         fa.read_adapter(tmp_path / "bad")
 
 
+def test_a_trainer_checkpoint_is_named_as_such(tmp_path):
+    """A Trainer checkpoint of a fa.init model is one model.safetensors: the error says so."""
+    save_file({"w": torch.ones(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json is missing.*Trainer checkpoint.*save_adapter_to_local_dir"):
+        fa.read_adapter(tmp_path)
+
+
 def test_keys_without_prefix_are_an_error(saved):
     _, folder = saved
     _rewrite(folder, lambda sd: {k.removeprefix("base_model.model."): v for k, v in sd.items()})

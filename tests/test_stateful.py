@@ -422,6 +422,18 @@ def test_a_recorded_name_that_cannot_register_says_where_it_came_from(tmp_path):
     assert fa.load_adapter(fresh, path_or_repo_id=tmp_path, name="mine") == "mine"
 
 
+def test_a_wrapper_of_an_inited_model_points_to_its_module(tmp_path):
+    _, model = inited()
+
+    class Wrapper(torch.nn.Module):  # as DDP and accelerate hold the model
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(RuntimeError, match=r"Wrapper has no fastaf adapters \(it wraps one that has them: pass its .module\)"):
+        fa.save_adapter_to_local_dir(Wrapper(model), path=tmp_path, name="a")
+
+
 def _snapshot(model):
     """Everything a failed load must leave alone: state, modules, forward, requires_grad."""
     return {

@@ -95,6 +95,8 @@ def init_adapter(
     """
     if not isinstance(config, LoRAConfig):
         raise TypeError(f"init_adapter needs a fastaf.LoRAConfig, got {type(config).__name__}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"init_adapter: seed must be an int or None, got {type(seed).__name__} {seed!r}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())

@@ -12,6 +12,7 @@ experts module sets ``is_transposed``, as PEFT reads it), or a 2-D one such as a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping, Sequence
 
@@ -185,9 +186,11 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
                 unmatched.append(t)
             keys.update(hits)
         if unmatched:
+            leaves = sorted({p.rpartition(".")[2] for p in [*named, *params] if p})
+            close = sorted({c for t in unmatched for c in difflib.get_close_matches(t.rpartition(".")[2], leaves, n=3)})
             raise ValueError(
                 f"targets {unmatched} match no module of {type(model).__name__} "
-                f"(module names look like {[p for p in named if p][-3:]})"
+                + (f"(close names: {close})" if close else f"(module names look like {[p for p in named if p][-3:]})")
             )
     ordered = []  # model order: a module, then its own parameters
     for path, module in named.items():

@@ -89,8 +89,10 @@ def test_config_errors(changes, error, match):
 
 def test_targets_that_match_nothing_or_non_linear_are_errors():
     model = tiny_llama()
-    with pytest.raises(ValueError, match=r"\['qproj'\] match no module"):
+    with pytest.raises(ValueError, match=r"\['qproj'\] match no module.*close names: \[.*'q_proj'"):
         fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets=["q_proj", "qproj"]))
+    with pytest.raises(TypeError, match="seed must be an int or None, got str 'x'"):
+        fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets=["q_proj"]), seed="x")
     with pytest.raises(ValueError, match="model.layers.0.mlp.*MLP"):
         fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=2, targets=["mlp"]))
     with pytest.raises(ValueError, match="matches no module"):
