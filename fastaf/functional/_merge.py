@@ -449,6 +449,9 @@ def _check_fit(
         raise TypeError(
             f"merge_into: {name} {tuple(weight.shape)} has dtype {weight.dtype}; expected a float weight"
         )
+    if lora.A.is_meta and not weight.is_meta:  # no values to add (torch's "Cannot copy out of meta tensor")
+        raise ValueError(f"merge_into: {path}: LoRA A {tuple(lora.A.shape)} is on meta (no values) but {name} is "
+                         f"on {weight.device}; load or initialise the adapter first")
     if lora.experts:
         return _check_param_fit(name, lora, weight, modules)
     out_in, in_out = (lora.out_features, lora.in_features), (lora.in_features, lora.out_features)

@@ -427,6 +427,13 @@ def test_merge_into_is_differentiable_in_the_adapter():
         assert_close(got[path].B, ref[path].B, "tf32", f"{path} dB")
 
 
+def test_merge_into_a_meta_adapter_is_a_named_error():
+    model = tiny_llama()
+    meta = random_adapter(model, ["q_proj"]).map(lambda p, l: fa.LoRA(l.A.to("meta"), l.B.to("meta"), l.scale))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: LoRA A \(4, 32\) is on meta"):
+        fa.merge_into(model, meta)
+
+
 def test_merge_into_errors_name_the_path_and_shapes():
     model = tiny_llama()
     path = "model.layers.0.self_attn.q_proj"
