@@ -396,11 +396,21 @@ def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *
 
 
 def _set_active_adapter(self: nn.Module, name: str | None) -> None:
-    """Make ``name`` the adapter that ``model(...)`` applies and the only trainable one; None: the base."""
+    """Make ``name`` the adapter that ``model(...)`` applies and the only trainable one; None: the base.
+
+    The adapter is checked against the model as it is now, before anything changes: a model
+    changed since the adapter was added (``resize_token_embeddings`` under an adapted lm_head)
+    is an error here, not at the next forward."""
     registry = _registry(self)
     if name is not None:
-        registry.slot(name)  # KeyError naming the known adapters
+        slot = registry.slot(name)  # KeyError naming the known adapters
     with _without_registry(self) as base:
+        if name is not None:
+            try:
+                adapter_mode(base, slot.adapter(detach=True))  # validates paths, shapes and devices; changes nothing
+            except ValueError as err:
+                raise ValueError(f"set_active_adapter({name!r}): the adapter does not fit "
+                                 f"{type(base).__name__} as it is now: {err}") from err
         registry.activate(base, name)
 
 

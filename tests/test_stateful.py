@@ -422,6 +422,16 @@ def test_a_recorded_name_that_cannot_register_says_where_it_came_from(tmp_path):
     assert fa.load_adapter(fresh, path_or_repo_id=tmp_path, name="mine") == "mine"
 
 
+def test_activating_an_adapter_the_model_outgrew_is_an_error():
+    """resize_token_embeddings under an adapted lm_head: refused when activated, nothing changed."""
+    _, model = inited()
+    model.add_new_adapter("head", fa.LoRAConfig(r=2, alpha=2, targets=["lm_head"]))
+    model.resize_token_embeddings(VOCAB + 8)
+    with pytest.raises(ValueError, match=r"set_active_adapter\('head'\).*lm_head.*B \(96, 2\)"):
+        model.set_active_adapter("head")
+    assert model.active_adapter() == "b"  # as inited() left it
+
+
 def test_a_wrapper_of_an_inited_model_points_to_its_module(tmp_path):
     _, model = inited()
 
