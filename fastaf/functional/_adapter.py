@@ -219,16 +219,23 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
             f"(A {tuple(a.A.shape)} / {tuple(b.A.shape)}); move one with .to() first"
         )
     dtype = torch.promote_types(a.A.dtype, b.A.dtype)
-    scale = a.scale if abs(a.scale) >= abs(b.scale) else b.scale
-
-    def folded(lora: LoRA) -> torch.Tensor:
-        B = lora.B.to(dtype)
-        if lora.scale == scale:
-            return B
-        return B * (lora.scale / scale if scale != 0.0 else 0.0)  # |ratio| < 1, in the factors' dtype
-
+    scale = _common_scale([a, b])
     A = torch.cat([a.A.to(dtype), b.A.to(dtype)], dim=-2)
-    return LoRA(A, torch.cat([folded(a), folded(b)], dim=-1), scale, a.dropout, a.experts)
+    return LoRA(A, torch.cat([_folded_B(a, scale, dtype), _folded_B(b, scale, dtype)], dim=-1), scale, a.dropout,
+                a.experts)
+
+
+def _common_scale(loras: list[LoRA]) -> float:
+    """The scale LoRAs summed or stacked share: the largest in magnitude, so every other's ratio to
+    it, folded into its B (``_folded_B``), is at most 1 and cannot overflow 16-bit factors."""
+    return max((l.scale for l in loras), key=abs)
+
+
+def _folded_B(lora: LoRA, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``lora.B`` in ``dtype`` times its scale's ratio to ``scale`` (``_common_scale``'s: a zero
+    ``scale`` means every scale is zero, and B is left as it is)."""
+    B = lora.B.to(dtype)
+    return B if lora.scale == scale else B * (lora.scale / scale)
 
 
 class Adapter(Mapping[str, LoRA]):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ._adapter import Adapter, LoRA, _layout_mismatch
+from ._adapter import Adapter, LoRA, _common_scale, _folded_B, _layout_mismatch
 
 
 def stack(adapters: Sequence[Adapter]) -> Adapter:
@@ -63,9 +63,7 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
     for l in present[1:]:
         dtype = torch.promote_types(dtype, l.A.dtype)
     r_max = max(l.rank for l in present)
-    # one scale for the stack: the largest in magnitude, each slot's ratio to it (at most 1) folded
-    # into its B, which 16-bit factors hold without overflow (a scale folded in whole did not)
-    scale = max((l.scale for l in present), key=abs)
+    scale = _common_scale(present)  # a scale folded in whole overflowed 16-bit factors
     lead = first.A.shape[:-2]  # (E,) for an expert LoRA
     A_slots, B_slots = [], []
     for l in loras:
@@ -74,9 +72,8 @@ def _stack_path(path: str, loras: list[LoRA | None]) -> LoRA:
             B_slots.append(first.B.new_zeros((*lead, first.out_features, r_max), dtype=dtype))
             continue
         pad = r_max - l.rank
-        B = l.B if l.scale == scale else l.B * (l.scale / scale)
         A_slots.append(F.pad(l.A.to(dtype), (0, 0, 0, pad)))  # (..., r_max, in)
-        B_slots.append(F.pad(B.to(dtype), (0, pad)))  # (..., out, r_max)
+        B_slots.append(F.pad(_folded_B(l, scale, dtype), (0, pad)))  # (..., out, r_max)
     return LoRA(torch.stack(A_slots), torch.stack(B_slots), scale, first.dropout, first.experts)
 
 
