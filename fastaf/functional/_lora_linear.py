@@ -41,7 +41,8 @@ from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 from ._transforms import (_CALL, _NO_SCOPE, _apply_single_level, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _higher_order_traced, _traced_apply, tracked_scope)
+                          _double_backward, _functorch, _higher_order_traced, _linearized, _traced_apply,
+                          tracked_scope)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -78,35 +79,6 @@ def _kernel_factor(t: Tensor, dtype: torch.dtype) -> Tensor:
     """A LoRA factor for the kernels: as it is in a dtype they read (fp32 masters), else (float64)
     cast to x's ``dtype``."""
     return t if t.dtype in _KERNEL_FACTOR_DTYPES else t.to(dtype)
-
-
-def reference_jvp(x, weight, a, b, h, scale, dropout_p, seed, tangents):
-    """Forward-mode derivative of ``reference_fwd`` at its primals: (y_t, h_t) from the tangents
-    (x_t, weight_t, bias_t, a_t, b_t), each None where that input has none. The dropout mask is
-    the forward's (the same seed); a and b and their tangents are read in x's dtype."""
-    x_t, w_t, bias_t, a_t, b_t = tangents
-    a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)
-    mask = _dropout_scale(x, dropout_p, seed)
-    xd = x if mask is None else x * mask
-    h_terms = []
-    if x_t is not None:
-        h_terms.append((x_t if mask is None else x_t * mask) @ _t(a))
-    if a_t is not None:
-        h_terms.append(xd @ _t(_as_dtype(a_t, x.dtype)))
-    h_t = sum(h_terms[1:], h_terms[0]) if h_terms else None
-    y_terms = [scale * (h_t @ _t(b))] if h_t is not None else []
-    if b_t is not None:
-        y_terms.append(scale * (h @ _t(_as_dtype(b_t, x.dtype))))
-    if x_t is not None:
-        y_terms.append(x_t @ _t(weight))
-    if w_t is not None:
-        y_terms.append(x @ _t(w_t))
-    if bias_t is not None:
-        y_terms.append(bias_t[:, None, :])
-    G, M, N, R = max(x.shape[0], weight.shape[0], a.shape[0], b.shape[0]), x.shape[1], weight.shape[1], a.shape[1]
-    y_t = sum(y_terms[1:], y_terms[0]) if y_terms else x.new_zeros(())
-    h_t = h_t if h_t is not None else x.new_zeros(())
-    return y_t.expand(G, M, N).contiguous(), h_t.expand(G, M, R).contiguous()
 
 
 def reference_fwd(x, weight, bias, a, b, scale, dropout_p, seed):
@@ -370,13 +342,17 @@ class _LoRALinearFn(torch.autograd.Function):
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)  # h is never differentiated: skip a zero-fill per backward
-        ctx.save_for_forward(x, weight, a, b, output[1], seed)
+        ctx.save_for_forward(x, weight, bias, a, b, seed)
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t, a_t, b_t, *_):
         """Forward mode (torch.func.jvp, jacfwd, jvp of grad): the reference's linearization."""
-        x, weight, a, b, h, seed = ctx.saved_tensors
-        y_t, _ = reference_jvp(x, weight, a, b, h, ctx.scale, ctx.dropout_p, seed, (x_t, weight_t, bias_t, a_t, b_t))
+        x, weight, bias, a, b, seed = ctx.saved_tensors
+
+        def fwd(x, weight, bias, a, b):
+            return reference_fwd(x, weight, bias, a, b, ctx.scale, ctx.dropout_p, seed)[0]
+
+        y_t = _linearized(fwd, (x, weight, bias, a, b), (x_t, weight_t, bias_t, a_t, b_t))
         return y_t, None  # h is marked non-differentiable
 
     @staticmethod

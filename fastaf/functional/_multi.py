@@ -28,7 +28,7 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _traced_apply)
+                          _double_backward, _functorch, _linearized, _traced_apply)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -184,16 +184,14 @@ class _LoRAMultiFn(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t, a_t, b_t, *_):
-        """Forward mode (torch.func.jvp, jacfwd): the reference's, linearized by torch.func.jvp."""
+        """Forward mode (torch.func.jvp, jacfwd): the reference's linearization."""
         x, weight, bias, a, b, ids = ctx.saved_tensors
-        primals = (x, weight, a, b) + (() if bias is None else (bias,))
-        tangents = tuple(torch.zeros_like(p) if t is None else t
-                         for p, t in zip(primals, (x_t, weight_t, a_t, b_t, bias_t)))
 
-        def fwd(x, weight, a, b, *bias):
-            return reference_fwd(x, weight, bias[0] if bias else None, a, b, ids, ctx.scale)[0]
+        def fwd(x, weight, bias, a, b):
+            return reference_fwd(x, weight, bias, a, b, ids, ctx.scale)[0]
 
-        return torch.func.jvp(fwd, primals, tangents)[1], None  # h is marked non-differentiable
+        y_t = _linearized(fwd, (x, weight, bias, a, b), (x_t, weight_t, bias_t, a_t, b_t))
+        return y_t, None  # h is marked non-differentiable
 
     @staticmethod
     def backward(ctx, dy, _dh):
@@ -201,7 +199,8 @@ class _LoRAMultiFn(torch.autograd.Function):
             return (None,) * 8
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):  # grad of grad, or autograd beneath the levels
+        # grad of grad, or plain autograd beneath the levels
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):
             dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, needs[0])
         else:
             bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd

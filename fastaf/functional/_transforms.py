@@ -222,6 +222,20 @@ def _double_backward(level: int, *cotangents: Optional[Tensor]) -> bool:
     return _entered_in_grad_mode() is not False and any(map(_requires_grad_beneath, cotangents))
 
 
+def _linearized(fn: Any, primals: tuple, tangents: tuple) -> Tensor:
+    """A Function's jvp rule from its torch reference: the tangent of ``fn(*primals)`` (one
+    output) along ``tangents``, a None tangent (an input forward mode does not vary) taken as zero
+    and a None primal (no bias) left out of both."""
+    pairs = [(p, torch.zeros_like(p) if t is None else t) for p, t in zip(primals, tangents) if p is not None]
+    present = [p is not None for p in primals]
+
+    def along(*given: Tensor) -> Tensor:
+        it = iter(given)
+        return fn(*(next(it) if keep else None for keep in present))
+
+    return torch.func.jvp(along, tuple(p for p, _ in pairs), tuple(t for _, t in pairs))[1]
+
+
 def _traced_apply(fn: type[torch.autograd.Function]) -> Any:
     """``fn.apply`` as one opaque call to dynamo (``torch.compiler.allow_in_graph``), to be bound
     in ``fn``'s module as ``<fn name>_apply``.
