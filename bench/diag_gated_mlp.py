@@ -39,6 +39,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @triton.jit
+def _row_h(h_ptr, offs_m, mask_m, stride_hm, RG, RU, RG_PAD: tl.constexpr, RU_PAD: tl.constexpr):
+    """(h_g (BLOCK_M, RG_PAD), h_u (BLOCK_M, RU_PAD)) of a row block, from h = [h_g | h_u]."""
+    rg, ru = tl.arange(0, RG_PAD), tl.arange(0, RU_PAD)
+    rows = h_ptr + offs_m[:, None] * stride_hm
+    hg = tl.load(rows + rg[None, :], mask=mask_m[:, None] & (rg[None, :] < RG), other=0.0)
+    hu = tl.load(rows + RG + ru[None, :], mask=mask_m[:, None] & (ru[None, :] < RU), other=0.0)
+    return hg, hu
+
+
+@triton.jit
+def _chunk(I, BLOCK_I: tl.constexpr, SPLIT_I: tl.constexpr):
+    """(first column, end) of this program's share, the program_id(1)-th of SPLIT_I chunks of
+    whole BLOCK_I blocks."""
+    chunk = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_I) * BLOCK_I
+    return tl.program_id(1) * chunk, tl.minimum((tl.program_id(1) + 1) * chunk, I)
+
+
+@triton.jit
+def _gate_up(g_ptr, u_ptr, bg_ptr, bu_ptr, hg, hu, rows, mask, offs_i, mask_i, RG, RU, s_g, s_u,
+             RG_PAD: tl.constexpr, RU_PAD: tl.constexpr, ADD_LORA: tl.constexpr):
+    """fp32 (g, u) = (g0 + s_g h_g B_g^T, u0 + s_u h_u B_u^T) over one tile, and the (R_PAD,
+    BLOCK_I) tiles of B_g^T and B_u^T in h's dtype; ADD_LORA off: the GEMMs added the terms."""
+    rg, ru = tl.arange(0, RG_PAD), tl.arange(0, RU_PAD)
+    g = tl.load(g_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    bg = tl.load(bg_ptr + offs_i[None, :] * RG + rg[:, None], mask=mask_i[None, :] & (rg[:, None] < RG),
+                 other=0.0).to(hg.dtype)
+    bu = tl.load(bu_ptr + offs_i[None, :] * RU + ru[:, None], mask=mask_i[None, :] & (ru[:, None] < RU),
+                 other=0.0).to(hg.dtype)
+    if ADD_LORA:
+        g += s_g * tl.dot(hg, bg)
+        u += s_u * tl.dot(hu, bu)
+    return g, u, bg, bu
+
+
+@triton.jit
 def _gated_fwd_kernel(
     g_ptr, u_ptr, h_ptr, bg_ptr, bu_ptr, ad_ptr, act_ptr, hd_ptr,
     M, I, RG, RU, RD, stride_hm, s_g, s_u,
@@ -54,33 +90,21 @@ def _gated_fwd_kernel(
     pid = tl.program_id(0)
     offs_m = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = offs_m < M
-    rg, ru, rd = tl.arange(0, RG_PAD), tl.arange(0, RU_PAD), tl.arange(0, RD_PAD)
-    hg = tl.load(h_ptr + offs_m[:, None] * stride_hm + rg[None, :], mask=mask_m[:, None] & (rg[None, :] < RG),
-                 other=0.0)
-    hu = tl.load(h_ptr + offs_m[:, None] * stride_hm + RG + ru[None, :], mask=mask_m[:, None] & (ru[None, :] < RU),
-                 other=0.0)
+    rd = tl.arange(0, RD_PAD)
+    hg, hu = _row_h(h_ptr, offs_m, mask_m, stride_hm, RG, RU, RG_PAD, RU_PAD)
     acc = tl.zeros((BLOCK_M, RD_PAD), dtype=tl.float32)
-    chunk = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_I) * BLOCK_I
-    i_end = tl.minimum((tl.program_id(1) + 1) * chunk, I)
-    for i0 in range(tl.program_id(1) * chunk, i_end, BLOCK_I):
+    i_start, i_end = _chunk(I, BLOCK_I, SPLIT_I)
+    for i0 in range(i_start, i_end, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask_i = offs_i < i_end
         mask = mask_m[:, None] & mask_i[None, :]
         rows = offs_m[:, None] * I + offs_i[None, :]
-        g0 = tl.load(g_ptr + rows, mask=mask, other=0.0)
-        u0 = tl.load(u_ptr + rows, mask=mask, other=0.0)
-        bg = tl.load(bg_ptr + offs_i[None, :] * RG + rg[:, None], mask=mask_i[None, :] & (rg[:, None] < RG),
-                     other=0.0).to(g0.dtype)  # (RG_PAD, BLOCK_I)
-        bu = tl.load(bu_ptr + offs_i[None, :] * RU + ru[:, None], mask=mask_i[None, :] & (ru[:, None] < RU),
-                     other=0.0).to(g0.dtype)
-        g, u = g0.to(tl.float32), u0.to(tl.float32)
-        if ADD_LORA:  # else the GEMMs added them
-            g += s_g * tl.dot(hg, bg)
-            u += s_u * tl.dot(hu, bu)
-        act = (g * tl.sigmoid(g) * u).to(g0.dtype)
+        g, u, _, _ = _gate_up(g_ptr, u_ptr, bg_ptr, bu_ptr, hg, hu, rows, mask, offs_i, mask_i, RG, RU, s_g, s_u,
+                              RG_PAD, RU_PAD, ADD_LORA)
+        act = (g * tl.sigmoid(g) * u).to(hg.dtype)
         tl.store(act_ptr + rows, act, mask=mask)
         ad = tl.load(ad_ptr + rd[None, :] * I + offs_i[:, None], mask=mask_i[:, None] & (rd[None, :] < RD),
-                     other=0.0).to(g0.dtype)  # (BLOCK_I, RD_PAD)
+                     other=0.0).to(hg.dtype)  # (BLOCK_I, RD_PAD)
         acc = tl.dot(act, ad, acc)
     hd_ptrs = hd_ptr + offs_m[:, None] * RD + rd[None, :]
     if SPLIT_I == 1:
@@ -109,40 +133,29 @@ def _gated_bwd_kernel(
     offs_m = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = offs_m < M
     rg, ru, rd = tl.arange(0, RG_PAD), tl.arange(0, RU_PAD), tl.arange(0, RD_PAD)
-    hg = tl.load(h_ptr + offs_m[:, None] * stride_hm + rg[None, :], mask=mask_m[:, None] & (rg[None, :] < RG),
-                 other=0.0)
-    hu = tl.load(h_ptr + offs_m[:, None] * stride_hm + RG + ru[None, :], mask=mask_m[:, None] & (ru[None, :] < RU),
-                 other=0.0)
+    hg, hu = _row_h(h_ptr, offs_m, mask_m, stride_hm, RG, RU, RG_PAD, RU_PAD)
     dhd = tl.load(dhd_ptr + offs_m[:, None] * RD + rd[None, :], mask=mask_m[:, None] & (rd[None, :] < RD),
                   other=0.0).to(hg.dtype)  # (BLOCK_M, RD_PAD)
     acc_g = tl.zeros((BLOCK_M, RG_PAD), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, RU_PAD), dtype=tl.float32)
-    chunk = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_I) * BLOCK_I
-    i_end = tl.minimum((tl.program_id(1) + 1) * chunk, I)
-    for i0 in range(tl.program_id(1) * chunk, i_end, BLOCK_I):
+    i_start, i_end = _chunk(I, BLOCK_I, SPLIT_I)
+    for i0 in range(i_start, i_end, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask_i = offs_i < i_end
         mask = mask_m[:, None] & mask_i[None, :]
         rows = offs_m[:, None] * I + offs_i[None, :]
-        d0 = tl.load(d_ptr + rows, mask=mask, other=0.0)
-        g0 = tl.load(g_ptr + rows, mask=mask, other=0.0)
-        u0 = tl.load(u_ptr + rows, mask=mask, other=0.0)
-        bg = tl.load(bg_ptr + offs_i[None, :] * RG + rg[:, None], mask=mask_i[None, :] & (rg[:, None] < RG),
-                     other=0.0).to(g0.dtype)  # (RG_PAD, BLOCK_I)
-        bu = tl.load(bu_ptr + offs_i[None, :] * RU + ru[:, None], mask=mask_i[None, :] & (ru[:, None] < RU),
-                     other=0.0).to(g0.dtype)
-        ad = tl.load(ad_ptr + rd[:, None] * I + offs_i[None, :], mask=mask_i[None, :] & (rd[:, None] < RD),
-                     other=0.0).to(g0.dtype)  # (RD_PAD, BLOCK_I)
-        g, u, dact = g0.to(tl.float32), u0.to(tl.float32), d0.to(tl.float32)
-        if ADD_LORA:  # else the GEMMs added them
-            g += s_g * tl.dot(hg, bg)
-            u += s_u * tl.dot(hu, bu)
+        g, u, bg, bu = _gate_up(g_ptr, u_ptr, bg_ptr, bu_ptr, hg, hu, rows, mask, offs_i, mask_i, RG, RU, s_g, s_u,
+                                RG_PAD, RU_PAD, ADD_LORA)
+        dact = tl.load(d_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        if ADD_LORA:  # else down's dx GEMM added dh_d @ A_d
+            ad = tl.load(ad_ptr + rd[:, None] * I + offs_i[None, :], mask=mask_i[None, :] & (rd[:, None] < RD),
+                         other=0.0).to(hg.dtype)  # (RD_PAD, BLOCK_I)
             dact += tl.dot(dhd, ad)
         sig = tl.sigmoid(g)
         silu = g * sig
-        act = (silu * u).to(g0.dtype)
-        du = (dact * silu).to(g0.dtype)
-        dg = (dact * u * sig * (1.0 + g * (1.0 - sig))).to(g0.dtype)
+        act = (silu * u).to(hg.dtype)
+        du = (dact * silu).to(hg.dtype)
+        dg = (dact * u * sig * (1.0 + g * (1.0 - sig))).to(hg.dtype)
         tl.store(dg_ptr + rows, dg, mask=mask)
         tl.store(du_ptr + rows, du, mask=mask)
         acc_g = tl.dot(dg, tl.trans(bg), acc_g)
