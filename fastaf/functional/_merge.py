@@ -391,7 +391,7 @@ def merge_into(
         # gradient under torch.func)
         aliases = dict(model_or_params.named_parameters(remove_duplicate=False))
         for path, lora in adapter.items():
-            name = path if lora.experts else f"{path}.weight"
+            name = _param_name(path, lora)
             if name not in params and name in aliases:
                 params[name] = aliases[name]
     else:
@@ -408,7 +408,7 @@ def merge_into(
                 "...): each is taken as nn.Linear's (out, in); for a Conv1D (GPT-2) weight, stored (in, out), that "
                 "adds ΔW where ΔWᵀ belongs. Pass model= to have the layout read from the model", stacklevel=2)
     for path, lora in adapter.items():  # every path was checked first: nothing is half-merged
-        name = path if lora.experts else f"{path}.weight"
+        name = _param_name(path, lora)
         params[name] = _fold(params[name], lora, layouts[path])
     return params
 
@@ -433,12 +433,17 @@ def _layouts(model: nn.Module) -> dict[str, LinearSpec | None]:
     return {path: linear_spec(m) for path, m in model.named_modules()}
 
 
+def _param_name(path: str, lora: LoRA) -> str:
+    """The parameter an adapter key adapts: the key itself for an expert LoRA, its module's weight else."""
+    return path if lora.experts else f"{path}.weight"
+
+
 def _check_fit(
     path: str, lora: LoRA, params: Mapping[str, Tensor], modules: Mapping[str, nn.Module] | None
 ) -> bool | ParamSpec:
     """Check that ``path``'s weight exists and fits ``lora``: True when a linear weight is stored
     (in, out), False when (out, in), a ParamSpec for an expert LoRA's parameter."""
-    name = path if lora.experts else f"{path}.weight"
+    name = _param_name(path, lora)
     weight = params.get(name)
     if weight is None:
         leaf = path.rsplit(".", 1)[-1]
