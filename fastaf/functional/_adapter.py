@@ -228,7 +228,11 @@ def _concat_ranks(a: LoRA, b: LoRA, where: str) -> LoRA:
 def _common_scale(loras: list[LoRA]) -> float:
     """The scale LoRAs summed or stacked share: the largest in magnitude, so every other's ratio to
     it, folded into its B (``_folded_B``), is at most 1 and cannot overflow 16-bit factors."""
-    return max((l.scale for l in loras), key=abs)
+    scale = loras[0].scale
+    for lora in loras[1:]:  # a loop, not max(key=abs): dynamo traces sums of adapters (a list of them in a call)
+        if abs(lora.scale) > abs(scale):
+            scale = lora.scale
+    return scale
 
 
 def _folded_B(lora: LoRA, scale: float, dtype: torch.dtype) -> torch.Tensor:
