@@ -42,7 +42,7 @@ from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 from ._transforms import (_CALL, _NO_SCOPE, _apply_single_level, _differentiated, _direct_level, _direct_ok,
                           _double_backward, _functorch, _higher_order_traced, _linearized, _traced_apply,
-                          tracked_scope)
+                          note_factors, tracked_scope)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -336,6 +336,7 @@ class _LoRALinearFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, a, b, scale, dropout_p, seed, impl = inputs
+        note_factors(a, b)
         ctx.save_for_backward(x, weight, a, b, output[1], seed)
         ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
         ctx.call = _CALL.tracked

@@ -28,7 +28,7 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _linearized, _traced_apply)
+                          _double_backward, _functorch, _linearized, _traced_apply, note_factors)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -175,6 +175,7 @@ class _LoRAMultiFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, a, b, ids, scale, impl = inputs
+        note_factors(a, b)
         ctx.save_for_backward(x, weight, a, b, output[1], ids)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
         ctx.call = _CALL.tracked

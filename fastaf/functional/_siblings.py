@@ -34,7 +34,7 @@ from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _as_dtype, _autocast, _check, _kernels, _unflatten, _use_triton,
                            _vjp_weight_bias)
 from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _double_backward,
-                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced)
+                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced, note_factors)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -151,6 +151,7 @@ class _SharedHFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, a, ranks, n, impl = inputs
+        note_factors(a)
         ctx.save_for_backward(x)
         ctx.n, ctx.impl, ctx.ranks, ctx.a_dtype = n, impl, ranks, a.dtype
         ctx.set_materialize_grads(False)
@@ -210,6 +211,7 @@ class _GivenHFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, h, a, b, scale, impl = inputs
+        note_factors(a, b)
         ctx.save_for_backward(x, weight, h, a, b)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
         ctx.set_materialize_grads(False)

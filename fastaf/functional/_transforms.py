@@ -19,6 +19,7 @@ import functools
 import hashlib
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -124,6 +125,30 @@ def _op_tracked(factors: tuple, weight: Optional[Tensor], activations: tuple) ->
     return not _requires_grad_beneath(weight) and any(map(_requires_grad_beneath, activations))
 
 
+# Compiles (torch._guards.TracingContext) in which a layer's forward saw a LoRA factor that
+# requires grad beneath the transforms (``note_factors``).
+_TRACKED_TRACES: weakref.WeakSet = weakref.WeakSet()
+
+
+def note_factors(*factors: Optional[Tensor]) -> None:
+    """Under ``torch.compile``, record that one of a layer's LoRA ``factors`` requires grad
+    beneath the transforms (a meta-parameter), for the whole compile: every backward is traced
+    after every forward, so each layer's backward then knows (``_differentiated``). A layer's own
+    operands tell nothing when the base is unfrozen (every activation requires grad then), and the
+    call's inputs are not seen inside the trace; without this an outer autograd over a compiled
+    ``torch.func.grad`` lost the terms through every other layer (100% off)."""
+    if torch.compiler.is_compiling() and any(map(_requires_grad_beneath, factors)):
+        trace = torch._guards.TracingContext.try_get()
+        if trace is not None:
+            _TRACKED_TRACES.add(trace)
+
+
+def _trace_tracked() -> bool:
+    """``note_factors`` saw a tracked factor in the compile being traced."""
+    trace = torch._guards.TracingContext.try_get()
+    return trace is not None and trace in _TRACKED_TRACES
+
+
 def _entered_in_grad_mode() -> Optional[bool]:
     """Whether the outermost grad level was entered in grad mode (None: no grad level)."""
     outer = next((i for i in _functorch.get_interpreter_stack() or () if i.key() == _GRAD), None)
@@ -198,12 +223,13 @@ def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor]
 
     Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
     create_graph; the joint's first-order backward runs without), under a grad level entered in
-    grad mode, where the layer shows plain autograd beneath (``_op_tracked``), as an outer
-    autograd over a compiled ``torch.func.grad`` asks. ``functional_call``'s inputs are not seen
-    there: with an unfrozen base, a layer whose own factors are not tracked runs first order."""
+    grad mode, where the layer shows plain autograd beneath (``_op_tracked``) or any layer's
+    forward saw a tracked factor (``note_factors``), as an outer autograd over a compiled
+    ``torch.func.grad`` asks. ``functional_call``'s inputs are not seen there: with an unfrozen
+    base, a tracked input (not a factor) leaves the layers first order."""
     if torch.compiler.is_compiling():
         return (torch.is_grad_enabled() and _entered_in_grad_mode() is not False
-                and _op_tracked(factors, weight, (x, dy)))
+                and (_op_tracked(factors, weight, (x, dy)) or _trace_tracked()))
     stack = _functorch.get_interpreter_stack()
     if stack:
         levels = sum(i.key() in (_GRAD, _JVP) for i in stack)

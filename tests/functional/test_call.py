@@ -254,15 +254,15 @@ def test_plain_autograd_over_vmap_of_func_grad_gives_second_derivatives():
             assert rel_err(g[n], w) < RTOL
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_plain_autograd_over_func_grad_with_one_factor_tracked(compiled):
+@pytest.mark.parametrize("compiled, frozen", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "compiled", "compiled-frozen-base"])
+def test_plain_autograd_over_func_grad_with_one_factor_tracked(compiled, frozen):
     """Only layer 0's q_proj A is a meta-parameter, over two layers and a list of two adapters
     (the second one constant): every other layer's backward still depends on it, through its
-    input and its cotangent. Eagerly the base is unfrozen (the call's inputs decide); compiled it
-    is frozen (each layer decides from its own operands, which an unfrozen base would blur)."""
-    base = tiny_llama(layers=2)
-    if compiled:
-        base.requires_grad_(False)
+    input and its cotangent. Eagerly the call's inputs decide; compiled, the tracked factor that
+    one layer's forward saw (an unfrozen base makes every activation require grad, so the
+    layers' own operands tell nothing: the outer gradient was 100% off until stop 39)."""
+    base = tiny_llama(layers=2).requires_grad_(not frozen)
     ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
     other = random_adapter(base, ["q_proj", "gate_proj"], seed=1)
     ids = token_batch()
