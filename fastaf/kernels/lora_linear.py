@@ -35,7 +35,7 @@ memoized launch plans, dispatch choice) and this module: input checks, the launc
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -159,31 +159,33 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
 
 
 def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype, has_bias: bool,
-               has_dropout: bool, config: Optional[dict], use_tma: Optional[bool]) -> tuple:
-    """(grid, programs, use TMA, meta, meta_key) of a gemm launch."""
+               has_dropout: bool, config: Optional[dict], use_tma: Optional[bool], extra: tuple = ()) -> tuple:
+    """(grid, programs, use TMA, meta, meta_key) of a gemm launch; ``extra``: ``gemm``'s."""
     M, K = x.shape
     N = w_kn.shape[1]
     R = h.shape[1]
     dev = x.device
     w_k_contig = w_kn.stride(0) == 1
+    w_dim = 0 if w_k_contig else 1
     # y is allocated contiguous: TMA-ready iff its row stride N * elt is a multiple of 16 bytes
-    tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, 0 if w_k_contig else 1)
-                    and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev))
+    tma_possible = (_rows_tma_ready(x) and _tma_2d(w_kn, w_dim) and (N * _elt(out_dtype)) % 16 == 0 and _hopper(dev)
+                    and all(_rows_tma_ready(xj) and _tma_2d(wj, w_dim) for xj, wj in extra))
     tma = tma_possible if use_tma is None else (use_tma and tma_possible)
     if use_tma and not tma_possible:
         raise ValueError("lora_linear.gemm: use_tma=True but the operands are not TMA-addressable")
+    k_total = K + sum(xj.shape[1] for xj, _ in extra)  # the segments make one long K loop: tuned as such
 
     def build():
         phase = "gemm" if tma else "gemm_plain"
-        conf = _config(phase, dev, _gemm_key(M, N, K, R, x.dtype, w_kn), config)
+        conf = _config(phase, dev, _gemm_key(M, N, k_total, R, x.dtype, w_kn), config)
         tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
         programs = _num_programs(dev, tiles)
         return ((programs,), programs,
                 *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
-                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), **conf))
+                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), NUM_SEG=1 + len(extra), **conf))
 
     memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
-            _tf32(x.dtype), _conf_key(config))
+            _tf32(x.dtype), _conf_key(config), tuple(xj.shape[1] for xj, _ in extra))
     grid, programs, meta, meta_key = _plan(memo, build)
     return grid, programs, tma, meta, meta_key
 
@@ -191,11 +193,13 @@ def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: 
 def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
          l_scale: float, dropout_p: float, seed: Optional[torch.Tensor], out_dtype: torch.dtype,
          *, config: Optional[dict] = None, use_tma: Optional[bool] = None, lead: tuple = (),
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ w_kn + bias + [keep/(1-p) *] (l_scale * h) @ u_rn, (M, N) in ``out_dtype``.
+         out: Optional[torch.Tensor] = None, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+    """y = x @ w_kn [+ sum_j x_j @ w_j] + bias + [keep/(1-p) *] (l_scale * h) @ u_rn, (M, N) in ``out_dtype``.
 
     x (M, K); w_kn (K, N) any strides (a transposed view is fine); h (M, R) any float dtype;
     u_rn (R, N) any strides; bias (N,) or None. The dropout mask is that of an (M, N) input.
+    ``extra``: up to two more (x_j (M, K_j) with unit stride on K_j, w_j (K_j, N) with w_kn's
+    unit-stride dim) summed in the same launch (siblings' dX: y written once, no add pass).
     ``lead``: y is allocated (*lead, N) instead (prod(lead) == M, contiguous: the same memory),
     which spares a caller's reshape of a flattened input's output. ``out``: y's contiguous buffer
     of that shape, allocated by the caller (a graphed call: ``_graphs``).
@@ -203,20 +207,32 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     M, K = x.shape
     N = w_kn.shape[1]
     R = h.shape[1]
+    extra = tuple(extra)
+    if len(extra) > 2 or any(xj.shape[0] != M or xj.stride(1) != 1 or wj.shape != (xj.shape[1], N)
+                             or (wj.stride(0) == 1) != (w_kn.stride(0) == 1) for xj, wj in extra):
+        raise ValueError(f"lora_linear.gemm: extra segments must be at most two (x_j (M={M}, K_j) with unit stride "
+                         f"on K_j, w_j (K_j, N={N}) laid out as w_kn); got "
+                         f"{[(tuple(xj.shape), xj.stride(), tuple(wj.shape), wj.stride()) for xj, wj in extra]}")
     has_bias, has_dropout = bias is not None, dropout_p > 0
     xs, ws, hs, us = x.stride(), w_kn.stride(), h.stride(), u_rn.stride()
     call = (("gemm", x.get_device(), M, N, K, R, xs, ws, hs, us, x.dtype, w_kn.dtype, h.dtype, u_rn.dtype,
-             out_dtype, None if bias is None else bias.dtype, seed.dtype if has_dropout else None, _tf32(x.dtype))
-            if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed) else None)
-    plan = _call_plan(call, lambda: _gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma))
+             out_dtype, None if bias is None else bias.dtype, seed.dtype if has_dropout else None, _tf32(x.dtype),
+             *[(xj.shape[1], xj.stride(), wj.stride(), xj.dtype, wj.dtype) for xj, wj in extra])
+            if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed, *sum(extra, ()))
+            else None)
+    plan = _call_plan(call, lambda: _gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma, extra))
     grid, programs, tma, meta, meta_key, _ = plan
     y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=out_dtype) if out is None else out
     if tma and x.is_cuda:
         _ensure_allocator()
+    (x2, w2), (x3, w3) = extra + ((x, w_kn),) * (2 - len(extra))  # unused segments: any tensors, K_j = 0
+    k2 = x2.shape[1] if len(extra) >= 1 else 0
+    k3 = x3.shape[1] if len(extra) >= 2 else 0
     _launch_planned(_SITES["gemm"], plan, 5, grid, (
-        x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y,
-        M, N, K, R,
+        x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y, x2, w2, x3, w3,
+        M, N, K, R, k2, k3,
         xs[0], xs[1], ws[0], ws[1], hs[0], hs[1], us[0], us[1], N, 1,
+        x2.stride(0), w2.stride(0), w2.stride(1), x3.stride(0), w3.stride(0), w3.stride(1),
         programs, float(l_scale), float(dropout_p),
     ), meta, meta_key, alike=out is None or _aligned(out))
     return y
@@ -359,7 +375,7 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
 # (kernel, pointer args, int args): the launch sites key on those (see _launch)
 _SITES = {
     "fwd_h": _launch.LaunchSite(_lora_linear_fwd_h_kernel, 4, 9),
-    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 7, 15),
+    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 11, 23),
     "bwd_dy": _launch.LaunchSite(_lora_linear_bwd_dy_kernel, 5, 9),
     "bwd_db": _launch.LaunchSite(_lora_linear_bwd_db_kernel, 2, 2),
     "bwd_da": _launch.LaunchSite(_lora_linear_bwd_da_kernel, 4, 5),

@@ -1,7 +1,8 @@
 """LoRA linear's Triton kernels; the math and the launchers are in ``lora_linear``.
 
     _lora_linear_fwd_h_kernel   h = dropout(x) @ a.T, one pass over x
-    _lora_linear_gemm_kernel    out = lhs @ rhs [+ bias] + [mask *] (l_scale * low) @ up, persistent
+    _lora_linear_gemm_kernel    out = lhs @ rhs [+ lhs_2 @ rhs_2 + lhs_3 @ rhs_3] [+ bias]
+                                      + [mask *] (l_scale * low) @ up, persistent
     _lora_linear_bwd_dy_kernel  dh = s * dy @ b and db = s * dy.T @ h, one pass over dy
     _lora_linear_bwd_db_kernel  db = s * the sum of bwd_dy's m-block partials
     _lora_linear_bwd_da_kernel  da = dh.T @ dropout(x), split over M, reduced with atomics
@@ -77,26 +78,65 @@ def _lora_linear_fwd_h_kernel(
 
 
 @triton.jit
+def _k_loop(acc, x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+            USE_TMA: tl.constexpr, W_K_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += x[off_m block, :K] @ w[:K, off_n block]: one segment's K loop (the descriptors'
+    when USE_TMA, else masked pointer loads)."""
+    offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    for k0 in range(0, K, BLOCK_K):
+        if USE_TMA:
+            xt = x_desc.load([off_m, k0])
+            if W_K_CONTIG:
+                wt = w_desc.load([off_n, k0]).T
+            else:
+                wt = w_desc.load([k0, off_n])
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            wt = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn,
+                         mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _w_desc(w_ptr, N, K, stride_wk, stride_wn, W_K_CONTIG: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """w's TMA descriptor: (BLOCK_N, BLOCK_K) tiles of an (N, K) row-major w (W_K_CONTIG), else
+    (BLOCK_K, BLOCK_N) tiles of a (K, N) one."""
+    if W_K_CONTIG:
+        return tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        return tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_wk, 1], block_shape=[BLOCK_K, BLOCK_N])
+
+
+@triton.jit
 def _lora_linear_gemm_kernel(
-    # pointers
-    x_ptr, w_ptr, h_ptr, u_ptr, bias_ptr, seed_ptr, y_ptr,
+    # pointers (x2, w2, x3, w3: more (x, w) segments summed into y, unused below NUM_SEG)
+    x_ptr, w_ptr, h_ptr, u_ptr, bias_ptr, seed_ptr, y_ptr, x2_ptr, w2_ptr, x3_ptr, w3_ptr,
     # sizes
-    M, N, K, R,
+    M, N, K, R, K2, K3,
     # strides
     stride_xm, stride_xk, stride_wk, stride_wn, stride_hm, stride_hr, stride_ur, stride_un,
-    stride_ym, stride_yn,
+    stride_ym, stride_yn, stride_x2m, stride_w2k, stride_w2n, stride_x3m, stride_w3k, stride_w3n,
     # scalars
     NUM_PROGRAMS, l_scale, dropout_p,
     # meta
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_SEG: tl.constexpr,
 ):
-    """Persistent y = x @ w + [bias] + [mask *] (l_scale * h) @ u, one (BLOCK_M, BLOCK_N) tile at a time.
+    """Persistent y = x @ w [+ x2 @ w2 + x3 @ w3] + [bias] + [mask *] (l_scale * h) @ u, one
+    (BLOCK_M, BLOCK_N) tile at a time.
 
-    x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). The LoRA dot runs after the K
-    loop so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
+    x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). Segment j of NUM_SEG: x_j
+    (M, K_j) with unit stride on K_j, w_j (K_j, N) laid out as w is (W_K_CONTIG); siblings' dX
+    = sum_j dy_j @ W_j + dh @ A is one launch, y written once. The LoRA dot runs after the K
+    loops so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
     USE_TMA needs unit stride on x's K, y's N and one of w's dims (W_K_CONTIG: w's K).
     """
     dtype = y_ptr.dtype.element_ty
@@ -104,17 +144,22 @@ def _lora_linear_gemm_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
+    x_desc, w_desc, y_desc = x_ptr, w_ptr, y_ptr  # pointer loads unless USE_TMA
+    x2_desc, w2_desc, x3_desc, w3_desc = x2_ptr, w2_ptr, x3_ptr, w3_ptr
     if USE_TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        if W_K_CONTIG:  # w is (N, K) row-major in memory: load (BLOCK_N, BLOCK_K), transpose
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_K])
-        else:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_wk, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])
+        w_desc = _w_desc(w_ptr, N, K, stride_wk, stride_wn, W_K_CONTIG, BLOCK_N, BLOCK_K)
         y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
+        if NUM_SEG >= 2:
+            x2_desc = tl.make_tensor_descriptor(x2_ptr, shape=[M, K2], strides=[stride_x2m, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+            w2_desc = _w_desc(w2_ptr, N, K2, stride_w2k, stride_w2n, W_K_CONTIG, BLOCK_N, BLOCK_K)
+        if NUM_SEG >= 3:
+            x3_desc = tl.make_tensor_descriptor(x3_ptr, shape=[M, K3], strides=[stride_x3m, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+            w3_desc = _w_desc(w3_ptr, N, K3, stride_w3k, stride_w3n, W_K_CONTIG, BLOCK_N, BLOCK_K)
     for tile_id in range(start, num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -122,20 +167,14 @@ def _lora_linear_gemm_kernel(
         offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if USE_TMA:
-                xt = x_desc.load([off_m, k0])
-                if W_K_CONTIG:
-                    wt = w_desc.load([off_n, k0]).T
-                else:
-                    wt = w_desc.load([k0, off_n])
-            else:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-                wt = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn,
-                             mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+        acc = _k_loop(acc, x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wk,
+                      stride_wn, USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        if NUM_SEG >= 2:  # the extra segments have unit stride on their K (the launcher checks)
+            acc = _k_loop(acc, x2_ptr, w2_ptr, x2_desc, w2_desc, off_m, off_n, M, N, K2, stride_x2m, 1, stride_w2k,
+                          stride_w2n, USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        if NUM_SEG >= 3:
+            acc = _k_loop(acc, x3_ptr, w3_ptr, x3_desc, w3_desc, off_m, off_n, M, N, K3, stride_x3m, 1, stride_w3k,
+                          stride_w3n, USE_TMA, W_K_CONTIG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
         # LoRA epilogue: one (BLOCK_M, R_PAD) @ (R_PAD, BLOCK_N) dot.
         offs_r = tl.arange(0, R_PAD)

@@ -181,6 +181,38 @@ def test_shared_grads_buffer_matches_separate_buffers(monkeypatch, db_partial, s
         lora_linear_plan.clear_memos()
 
 
+def _segments_check(M, K, Ns, R, dtype, device, use_tma=None):
+    """gemm with extra (x_j, w_j) segments: siblings' dX = sum_j dy_j @ W_j + dh @ A in one launch,
+    and the forward layout (w_j with unit stride on K), against fp64; nothing else is written."""
+    g = torch.Generator(device=device).manual_seed(M + K)
+    rnd = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=g)  # noqa: E731
+    dys, ws = [rnd(M, n) for n in Ns], [rnd(n, K) / n**0.5 for n in Ns]
+    dh, a = rnd(M, R).float(), rnd(R, K)
+    for n_seg in range(1, len(Ns) + 1):
+        want = sum(d.double() @ w.double() for d, w in zip(dys[:n_seg], ws[:n_seg])) + dh.double() @ a.double()
+        got = ll.gemm(dys[0], ws[0], dh, a, None, 1.0, 0.0, None, dtype, use_tma=use_tma,
+                      extra=list(zip(dys[1:n_seg], ws[1:n_seg])))
+        assert_close(got, want, dtype)
+    xs, ws_t = [rnd(M, n) for n in Ns], [rnd(K, n) / n**0.5 for n in Ns]  # forward: w_j = W_j.T views
+    b, h = rnd(K, R), rnd(M, R)
+    want = sum(x.double() @ w.double().T for x, w in zip(xs, ws_t)) + 0.5 * h.double() @ b.double().T
+    got = ll.gemm(xs[0], ws_t[0].T, h, b.T, None, 0.5, 0.0, None, dtype, use_tma=use_tma,
+                  extra=[(x, w.T) for x, w in zip(xs[1:], ws_t[1:])])
+    assert_close(got, want, dtype)
+
+
+@needs_triton
+def test_gemm_sums_extra_segments():
+    _segments_check(37, 24, [40, 16, 8], 6, torch.float32, "cpu")
+
+
+def test_gemm_refuses_bad_segments():
+    dy, w, dh, a = torch.randn(8, 6), torch.randn(6, 4), torch.randn(8, 2), torch.randn(2, 4)
+    for extra in ([(dy, w)] * 3, [(dy.T.contiguous().T, w)], [(dy, w[:, :3])], [(dy, w.T.contiguous().T)]):
+        with pytest.raises(ValueError, match="extra segments"):
+            ll.gemm(dy, w, dh, a, None, 1.0, 0.0, None, torch.float32, extra=extra)
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_addmm_path_matches_reference(p):
     check(*PLAIN, 5, p=p, impl="addmm", weight_t=True)
@@ -290,6 +322,15 @@ def test_gpu_tma_persistent(weight_t):
         pytest.skip("TMA descriptors need Hopper")
     check(2048 + 5, 1024, 3072, 16, dtype=torch.bfloat16, device="cuda", weight_t=weight_t, p=0.1, use_tma=True)
     check(2048 + 5, 1024, 3072, 16, dtype=torch.bfloat16, device="cuda", weight_t=weight_t, use_tma=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_gpu_gemm_sums_extra_segments(use_tma):
+    if use_tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need Hopper")
+    _segments_check(2048 + 5, 1024, [1024, 512, 256], 16, torch.bfloat16, "cuda", use_tma=use_tma)
 
 
 @pytest.mark.gpu
