@@ -46,7 +46,7 @@ from ._lora_linear import IMPLS, routed_lora_linear
 from ._modules import LinearSpec, ParamSpec, fold_linear, fold_param
 from ._multi import check_rows, lora_linear_multi
 from ._routes import Route, module_routes, resolve_routes
-from ._siblings import lora_linear_given_h, shareable, shared_h
+from ._siblings import lora_linear_given_h, shareable, shared_h_fanned
 
 # When siblings take their h from one pass over their shared input: "compiled" (under
 # torch.compile only), "always" or "never" (tests; benchmarks that run both paths in one process).
@@ -106,7 +106,7 @@ class LoRAMode(TorchFunctionMode):
         self.views: dict[int, tuple[Route, Tensor]] = {}
         # the latest input shared by siblings: (x, x's version then, their h by path, the paths
         # that took theirs)
-        self.shared: tuple[Tensor, int, dict[str, Tensor], set[str]] | None = None
+        self.shared: tuple[Tensor, int, dict[str, tuple], set[str]] | None = None
         # the linear route whose module started last (its _WeightWatch hook's): _route tries it first.
         # In a block compiled inside an eager call, dynamo reaches it through the block's own
         # module hooks, so the block's graph does not guard on every route the scan would pass
@@ -355,13 +355,19 @@ class LoRAMode(TorchFunctionMode):
                 self.groups.saw(route, x)
             return y
         if route.siblings and (SHARE_INPUT == "always" or SHARE_INPUT == "compiled" and torch.compiler.is_compiling()):
-            h = self._shared_h(route, x)
-            if h is not None:
-                return lora_linear_given_h(x, weight, bias, h, route.lora, impl=self.impl, where=route.path)
+            shared = self._shared_h(route, x)
+            if shared is not None:
+                h, token, fanned_weight = shared
+                # the token sums this sibling's dx with the others' over the weight it was made
+                # for; a call on another weight (a pre-hook's) makes its own
+                token = token if fanned_weight is weight else None
+                return lora_linear_given_h(x, weight, bias, h, route.lora, impl=self.impl, where=route.path,
+                                           token=token)
         return routed_lora_linear(x, weight, bias, route.lora, self.impl, route.module.training, route.path)
 
-    def _shared_h(self, route: Route, x: Tensor) -> Tensor | None:
-        """``route``'s h from one pass over ``x`` shared with its siblings, or None (alone)."""
+    def _shared_h(self, route: Route, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor] | None:
+        """``route``'s (h, token, the weight the token is for) from one pass over ``x`` shared with
+        its siblings (``shared_h_fanned``), or None (alone)."""
         slot = self.shared
         # eagerly x's version counter catches in-place writes; traced, __torch_function__ does
         version = 0 if torch.compiler.is_compiling() else x._version
@@ -380,9 +386,10 @@ class LoRAMode(TorchFunctionMode):
         loras = [r.lora for r in group]
         if not shareable(x, loras):
             return None
-        hs = shared_h(x, loras, impl=self.impl)
-        self.shared = (x, version, {r.path: h for r, h in zip(group, hs)}, {route.path})
-        return hs[0]
+        weights = [r.weight for r in group]
+        hs, tokens = shared_h_fanned(x, loras, weights, impl=self.impl)
+        self.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
+        return hs[0], tokens[0], weights[0]
 
 
 

@@ -11,12 +11,20 @@ and in backward
     [dA_1 .. dA_n] = [dh_1 .. dh_n].T @ x     one pass over x for all i          (shared_h)
 
 where ``lora_linear`` per sibling reads x twice more (h in forward, dA in backward) for each
-extra sibling. The VJP is split across the two ops: ``given_h`` returns x's whole gradient
-through its sibling (dh_i @ A_i folded into the dX GEMM, as ``lora_linear`` does) and no
-gradient for A_i; ``shared_h`` returns the A gradients and none for x. Summed over the graph
-this is the exact VJP of y_i(x, A_i, B_i). A differentiated backward (grad of grad,
-``create_graph``) runs the reference's ops, which record how each computed gradient depends on
-x and the factors, so higher orders stay exact.
+extra sibling. The VJP is split across the two ops: ``given_h`` returns dB_i and dh_i, and
+``shared_h`` the A gradients. x's gradient comes one of two ways. Given the siblings' weights
+(``shared_h_fanned``), ``shared_h`` also hands each sibling a token t_i (M, N_i), a zero-stride
+view; ``given_h`` returns dy_i as t_i's gradient instead of a dx of its own, and ``shared_h``'s
+backward, which autograd runs after every sibling's, makes
+
+    dx = sum_i dy_i @ W_i + [dh_1 .. dh_n] @ [A_1; ..; A_n]    one GEMM launch, dx written once
+
+(``lora_siblings_dx``), where per-sibling dx would take n GEMMs and a later pass to add them.
+Without tokens ``given_h`` returns x's whole gradient through its sibling (dh_i @ A_i folded
+into its dX GEMM, as ``lora_linear`` does). Summed over the graph either way is the exact VJP of
+y_i(x, A_i, B_i). A differentiated backward (grad of grad, ``create_graph``) runs the
+reference's ops, which record how each computed gradient depends on x and the factors, so higher
+orders stay exact; there ``given_h`` returns its own dx.
 
 Only ``functional_call`` uses these, for siblings it has seen take the same x object, outside
 ``torch.func.vmap`` and without LoRA dropout; the ops have no vmap rule for that reason.
@@ -101,7 +109,21 @@ def _given_h_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tenso
     return reference_given_h_bwd(dy, weight, a, b, h, scale, needs_dx)
 
 
+def _siblings_dx_impl(dys: list[Tensor], weights: list[Tensor], dh: Tensor, a: Tensor, n: int, r: int,
+                      impl: str) -> Tensor:
+    """dx (M, K) = sum_i dys[i] @ weights[i] + dh @ a in dys' dtype; dh (M, R), a (R, K) any float dtype."""
+    if _use_triton(impl, dys[0]):
+        return _kernels().siblings_dx(dys, weights, dh, a, n, r, impl)
+    return _reference_siblings_dx(dys, weights, dh, a)
+
+
+def _reference_siblings_dx(dys: Sequence[Tensor], weights: Sequence[Tensor], dh: Tensor, a: Tensor) -> Tensor:
+    dtype = dys[0].dtype
+    return sum(dy @ w for dy, w in zip(dys, weights)) + _as_dtype(dh, dtype) @ _as_dtype(a, dtype)
+
+
 lora_shared_h = torch.library.custom_op("fastaf::lora_shared_h", mutates_args=())(_shared_h_impl)
+lora_siblings_dx = torch.library.custom_op("fastaf::lora_siblings_dx", mutates_args=())(_siblings_dx_impl)
 lora_shared_da = torch.library.custom_op("fastaf::lora_shared_da", mutates_args=())(_shared_da_impl)
 lora_given_h_fwd = torch.library.custom_op("fastaf::lora_given_h_fwd", mutates_args=())(_given_h_fwd_impl)
 lora_given_h_bwd = torch.library.custom_op("fastaf::lora_given_h_bwd", mutates_args=())(_given_h_bwd_impl)
@@ -110,6 +132,11 @@ lora_given_h_bwd = torch.library.custom_op("fastaf::lora_given_h_bwd", mutates_a
 @lora_shared_h.register_fake
 def _(x, a, n, r, impl):
     return x.new_empty(x.shape[0], a.shape[0])
+
+
+@lora_siblings_dx.register_fake
+def _(dys, weights, dh, a, n, r, impl):
+    return dys[0].new_empty(dys[0].shape[0], weights[0].shape[1])
 
 
 @lora_shared_da.register_fake
@@ -141,32 +168,50 @@ def _cat_grads(dhs: Sequence[Optional[Tensor]], ranks: Sequence[int], x: Tensor)
 
 
 class _SharedHFn(torch.autograd.Function):
-    """``shared_h``'s VJP for tracers (``torch.compile``) and grad of grad: dA for every sibling, no dx."""
+    """``shared_h``'s VJP for tracers (``torch.compile``) and grad of grad: dA for every sibling,
+    and with ``weights`` (the siblings' W_i) a token per sibling and dx summed over them."""
 
     @staticmethod
-    def forward(x, a, ranks, n, impl):  # x (M, K); a (R, K) the A factors stacked, any float dtype
+    def forward(x, a, ranks, n, impl, *weights):  # x (M, K); a (R, K) the A factors stacked, any float dtype
         op = _shared_h_impl if _direct_ok(x, a) else torch.ops.fastaf.lora_shared_h
-        return tuple(op(x, a, n, ranks[0], impl).split(ranks, dim=1))
+        hs = tuple(op(x, a, n, ranks[0], impl).split(ranks, dim=1))
+        # t_i (M, N_i): no memory, no compute; its gradient carries dy_i here (module docstring)
+        return hs + tuple(x.new_zeros(()).expand(x.shape[0], w.shape[0]) for w in weights)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, a, ranks, n, impl = inputs
+        x, a, ranks, n, impl, *weights = inputs
         note_factors(a)
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, a if weights else None, *weights)
         ctx.n, ctx.impl, ctx.ranks, ctx.a_dtype = n, impl, ranks, a.dtype
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, *dhs):
-        (x,) = ctx.saved_tensors
+    def backward(ctx, *grads):
+        x, a, *weights = ctx.saved_tensors
+        dhs, dys = grads[:len(ctx.ranks)], grads[len(ctx.ranks):]
         dh = _cat_grads(dhs, ctx.ranks, x)
-        if _differentiated(dh, factors=(dh,)):  # dh carries the factors' history (A is not saved)
+        differentiated = _differentiated(dh, factors=(dh,))  # dh carries the factors' history (A is not saved)
+        if differentiated:
             da = dh.T @ x
         else:
             op = _shared_da_impl if _direct_ok(dh, x) else torch.ops.fastaf.lora_shared_da
             with torch.no_grad():  # first order: a plain op call (see _LoRALinearFn.backward)
                 da = op(dh, x, ctx.n, ctx.ranks[0], ctx.impl)  # dh: torch.cat's, contiguous
-        return None, _as_dtype(da, ctx.a_dtype), None, None, None
+        dx = None
+        posted = [i for i, dy in enumerate(dys) if dy is not None]
+        if posted and ctx.needs_input_grad[0]:
+            # the dh @ A term of the siblings that posted dy_i (one that returned its own dx has it)
+            dh_x = dh if len(posted) == len(ctx.ranks) else _cat_grads(
+                [d if i in posted else None for i, d in enumerate(dhs)], ctx.ranks, x)
+            dys_x, ws_x = [dys[i] for i in posted], [weights[i] for i in posted]
+            if differentiated:
+                dx = _reference_siblings_dx(dys_x, ws_x, dh_x, a)
+            else:
+                op = _siblings_dx_impl if _direct_ok(x, a, dh_x, *dys_x, *ws_x) else torch.ops.fastaf.lora_siblings_dx
+                with torch.no_grad():
+                    dx = op(dys_x, ws_x, dh_x, a, ctx.n, ctx.ranks[0], ctx.impl)
+        return dx, _as_dtype(da, ctx.a_dtype), None, None, None, *(None for _ in weights)
 
 
 class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
@@ -201,16 +246,17 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
 
 
 class _GivenHFn(torch.autograd.Function):
-    """``lora_linear_given_h``'s VJP for tracers and grad of grad: dx, dh, dB; dA is ``shared_h``'s."""
+    """``lora_linear_given_h``'s VJP for tracers and grad of grad: dh, dB, and either dx or, given
+    ``shared_h``'s token for this sibling, dy_i as the token's gradient; dA is ``shared_h``'s."""
 
     @staticmethod
-    def forward(x, weight, bias, h, a, b, scale, impl):  # x (M, K), a / b in any float dtype
+    def forward(x, weight, bias, h, a, b, scale, impl, token):  # x (M, K), a / b in any float dtype
         op = _given_h_fwd_impl if _direct_ok(x, weight, bias, h, b) else torch.ops.fastaf.lora_given_h_fwd
         return op(x, weight, bias, h, b, scale, impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, h, a, b, scale, impl = inputs
+        x, weight, bias, h, a, b, scale, impl, token = inputs
         note_factors(a, b)
         ctx.save_for_backward(x, weight, h, a, b)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
@@ -219,19 +265,22 @@ class _GivenHFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if dy is None:
-            return (None,) * 8
+            return (None,) * 9
         x, weight, h, a, b = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        post = False
         if _differentiated(dy, factors=(a, b), weight=weight, x=x):
             dx, dh, db = reference_given_h_bwd(dy, weight, a, b, _recomputed_h(x, a), ctx.scale, needs[0])
         else:
+            post = needs[8]  # shared_h sums dx over the siblings from their dy
             op = _given_h_bwd_impl if _direct_ok(dy, x, weight, a, b, h) else torch.ops.fastaf.lora_given_h_bwd
             with torch.no_grad():
-                dx, dh, db = op(dy, x, weight, a, b, h, ctx.scale, needs[0], ctx.impl)
+                dx, dh, db = op(dy, x, weight, a, b, h, ctx.scale, needs[0] and not post, ctx.impl)
         dw, dbias = _vjp_weight_bias(dy, x, needs[1], needs[2] and ctx.has_bias)
         # dh and dB unconditionally: under torch.compile a factor that torch.func.grad wraps as a
         # graph input once read as not requiring grad here (see _LoRAMultiFn.backward)
-        return (dx if needs[0] else None), dw, dbias, dh, None, db, None, None
+        return ((dx if needs[0] and not post else None), dw, dbias, dh, None, db, None, None,
+                (dy if post else None))
 
 
 class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
@@ -297,22 +346,34 @@ def shared_h(x: Tensor, loras: Sequence[LoRA], *, impl: str = "auto") -> tuple[T
     x: (..., K); each LoRA's A (r_i, K) in any float dtype (cast to x's, gradients cast back).
     Pass each h_i to ``lora_linear_given_h`` with the same x and LoRA.
     """
+    return shared_h_fanned(x, loras, (), impl=impl)[0]
+
+
+def shared_h_fanned(x: Tensor, loras: Sequence[LoRA], weights: Sequence[Tensor], *,
+                    impl: str = "auto") -> tuple[tuple[Tensor, ...], tuple[Optional[Tensor], ...]]:
+    """(h_i, token_i) per LoRA: ``shared_h``'s h, and with the siblings' ``weights`` (W_i (N_i, K),
+    one per LoRA) a token for ``lora_linear_given_h``, through which x's gradient is summed over
+    the siblings in one GEMM (module docstring). Tokens come on the traced path (the Function
+    ``torch.compile`` and higher orders see); eagerly each sibling makes its own dx (None)."""
     x = _autocast(x, None, None)[0]
     n = loras[0].out_features
     factors = [l.A for l in loras]
     level = _direct_level(x, *factors, factors=tuple(factors), x=x)
     if level >= 0:
-        return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors)
+        return _apply_single_level(_shared_direct_apply, level, n, impl, x, *factors), (None,) * len(loras)
     # The factors stacked as they are (the kernels read fp32 masters, the references cast); the
     # stack sits outside the Function, whose signature stays fixed whatever the sibling count.
-    return _SharedHFn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl)
+    weights = [w.to(x.dtype) for w in weights]  # autocast's cast, as lora_linear_given_h makes it
+    out = _SharedHFn_apply(_flat(x), torch.cat(factors), tuple(l.rank for l in loras), n, impl, *weights)
+    return out[:len(loras)], out[len(loras):] or (None,) * len(loras)
 
 
 def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Tensor, lora: LoRA, *,
-                        impl: str = "auto", where: str = "lora_linear") -> Tensor:
+                        impl: str = "auto", where: str = "lora_linear", token: Optional[Tensor] = None) -> Tensor:
     """``lora_linear(x, weight, bias, lora)`` with its h (M, r) from ``shared_h`` over the same x.
 
     x: (..., K); weight (N, K); bias (N,) or None. Returns (..., N) in x's dtype. No dropout.
+    ``token``: ``shared_h_fanned``'s for this sibling (x's gradient then comes from there).
     """
     x, weight, bias = _autocast(x, weight, bias)
     if not torch.compiler.is_compiling():
@@ -321,5 +382,5 @@ def lora_linear_given_h(x: Tensor, weight: Tensor, bias: Optional[Tensor], h: Te
     level = _direct_level(x, weight, bias, h, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x)
     if level >= 0:
         return _apply_single_level(_given_direct_apply, level, x, weight, bias, h, lora.A, lora.B, scale, impl)
-    y = _GivenHFn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl)
+    y = _GivenHFn_apply(_flat(x), weight, bias, h, lora.A, lora.B, scale, impl, token)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -594,6 +594,29 @@ def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, r: int, impl: str) -> t
     return bwd_da(dh.contiguous(), x, 0.0, None)  # the kernel takes dh's rows packed
 
 
+def siblings_dx(dys: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], dh: torch.Tensor, a: torch.Tensor,
+                n: int, r: int, impl: str) -> torch.Tensor:
+    """dx = sum_i dys[i] @ weights[i] + dh @ a, (M, K) in dys' dtype: the siblings' input gradient.
+
+    dys[i] (M, N_i); weights[i] (N_i, K); dh (M, R) any float dtype, a (R, K) the stacked A
+    factors in any float dtype. Up to three siblings take one gemm launch (their K loops into one
+    tile, dx written once: 0.92x cuBLAS's mm per sibling and the later sum at the 1B q/k/v shapes,
+    ``diag-sibling-dx-s39``) where the dispatch gives the first sibling's backward to the kernels;
+    else cuBLAS sums into one buffer.
+    """
+    M, K = dys[0].shape[0], weights[0].shape[1]
+    layout = weights[0].stride(0) == 1
+    if (len(dys) <= 3 and a.shape[0] <= MAX_RANK and _choose(impl, "bwd", dys[0], M, K, n, r) == "triton"
+            and all(d.stride(1) == 1 and (w.stride(0) == 1) == layout for d, w in zip(dys, weights))):
+        return gemm(dys[0], weights[0], dh, a, None, 1.0, 0.0, None, dys[0].dtype,
+                    extra=list(zip(dys[1:], weights[1:])))
+    dtype = dys[0].dtype
+    dx = torch.mm(dys[0], weights[0])
+    for dy, w in zip(dys[1:], weights[1:]):
+        dx.addmm_(dy, w)  # cuBLAS sums into dx: no separate add pass
+    return dx.addmm_(dh.to(dtype), a.to(dtype))  # cuBLAS takes one dtype
+
+
 def given_h_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
                 b: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
     """y = x @ weight.T + bias + scale * h @ b.T, (M, N), with h (M, R) given (any strides)."""

@@ -70,7 +70,44 @@ def test_a_sibling_whose_output_is_unused_contributes_no_gradient():
     assert da1 is None or da1.abs().max() == 0
 
 
-@pytest.mark.parametrize("op", ["shared_h", "shared_da", "given_h_fwd", "given_h_bwd"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)], ids=["all", "one-unused"])
+def test_compiled_tokens_sum_dx_over_the_siblings_in_one_op(impl, used):
+    """Compiled with the siblings' weights, x's gradient is one lora_siblings_dx over the siblings
+    whose outputs got a gradient (given_h makes no dx of its own), equal to lora_linear per layer;
+    a sibling on another weight than the token's (a pre-hook's) makes its own dx."""
+    from tests._backends import fastaf_ops_backend
+
+    layers = siblings()
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    dys = [torch.randn(3, 7, w.shape[0]) for w, _, _ in layers]
+
+    def f(x, loras, other_weight):
+        hs, tokens = _siblings.shared_h_fanned(x, loras, [w for w, _, _ in layers], impl=impl)
+        ws = [w for w, _, _ in layers]
+        ws[1] = other_weight  # the middle sibling's call gets another weight: its token is not used
+        return [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl, token=t if w is layers[i][0] else None)
+                for i, ((_, b, _), w, h, l, t) in enumerate(zip(layers, ws, hs, loras, tokens))]
+
+    backend, ops = fastaf_ops_backend()
+    other = layers[1][0] * 1.5
+    ys = torch.compile(f, fullgraph=True, backend=backend)(x, [l for _, _, l in layers], other)
+    refs = [lora_linear(x, w if i != 1 else other, b, l, impl="torch") for i, (w, b, l) in enumerate(layers)]
+    inputs = [x] + [t for _, _, l in layers for t in (l.A, l.B)]
+    grads = torch.autograd.grad([ys[i] for i in used], inputs, [dys[i] for i in used], allow_unused=True)
+    grads0 = torch.autograd.grad([refs[i] for i in used], inputs, [dys[i] for i in used], allow_unused=True)
+    key = "tf32" if impl == "triton" else torch.float32
+    for i in range(3):
+        assert_close(ys[i], refs[i], key, f"y{i}")
+    for name, g, g0 in zip(["dx"] + [f"d{f}{i}" for i in range(3) for f in "AB"], grads, grads0):
+        if g0 is None:
+            assert g is None or g.abs().max() == 0, name
+        else:
+            assert_close(g, g0, key, name)
+    assert ops["lora_siblings_dx"] == 1 and ops["lora_given_h_bwd"] == 3, ops  # AOT traces every output's
+
+
+@pytest.mark.parametrize("op", ["shared_h", "shared_da", "given_h_fwd", "given_h_bwd", "siblings_dx"])
 def test_opcheck(op):
     x, a, w, bias = torch.randn(7, 6), torch.randn(5, 6), torch.randn(4, 6), torch.randn(4)
     h = torch.randn(7, 8)[:, 1:6]  # a sibling's column slice of the shared h: strided
@@ -80,6 +117,7 @@ def test_opcheck(op):
         "shared_da": (torch.randn(7, 5), x, 4, 2, "torch"),
         "given_h_fwd": (x, w, bias, h, b, 0.7, "torch"),
         "given_h_bwd": (dy, x, w, a, b, h, 0.7, True, "torch"),
+        "siblings_dx": ([dy, torch.randn(7, 3)], [w, torch.randn(3, 6)], torch.randn(7, 5), a, 4, 2, "torch"),
     }[op]
     torch.library.opcheck(getattr(torch.ops.fastaf, f"lora_{op}"), args)
     if op == "given_h_bwd":
@@ -93,8 +131,9 @@ def test_opcheck(op):
 def count_shared(monkeypatch):
     """Counts shared_h calls (one per group of siblings sharing an input) made by functional_call."""
     calls = []
-    real = _mode.shared_h
-    monkeypatch.setattr(_mode, "shared_h", lambda x, loras, **kw: calls.append(len(loras)) or real(x, loras, **kw))
+    real = _mode.shared_h_fanned
+    monkeypatch.setattr(_mode, "shared_h_fanned",
+                        lambda x, loras, weights, **kw: calls.append(len(loras)) or real(x, loras, weights, **kw))
     return calls
 
 
@@ -230,8 +269,9 @@ def test_gpu_compiled_siblings_of_mixed_ranks(ranks, impl):
     layers, x, dys = qkv_1b(ranks, 2048)
 
     def f(x, loras):
-        hs = _siblings.shared_h(x, loras, impl=impl)
-        return [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl) for (w, b, _), h, l in zip(layers, hs, loras)]
+        hs, tokens = _siblings.shared_h_fanned(x, loras, [w for w, _, _ in layers], impl=impl)
+        return [_siblings.lora_linear_given_h(x, w, b, h, l, impl=impl, token=t)
+                for (w, b, _), h, l, t in zip(layers, hs, loras, tokens)]
 
     assert_per_layer(torch.compile(f, fullgraph=True)(x, [l for _, _, l in layers]), layers, x, dys)
 
