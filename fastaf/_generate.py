@@ -29,8 +29,10 @@ def generate(
             (Whisper's ``input_features``): the batch is then the first of those tensors' sizes.
         adapter_ids: (batch,) int tensor for a stacked adapter: row i decodes with slot
             ``adapter_ids[i]``, -1 with the base model. With ``num_beams`` or
-            ``num_return_sequences`` above 1 (as keywords or in a ``generation_config``) each id
-            is repeated as generate repeats its row: max(num_beams, num_return_sequences) times.
+            ``num_return_sequences`` above 1 (as keywords or in a ``generation_config``) generate
+            repeats each row max(num_beams, num_return_sequences) times for the decoding steps,
+            and each id with it; an encoder (T5, BART, Whisper) or a vision tower (LLaVA) that
+            generate runs before that, on the rows as given, takes the ids as given.
         **generate_kwargs: passed to ``model.generate``.
     Returns:
         What ``model.generate`` returns.
@@ -38,13 +40,16 @@ def generate(
     if input_ids is not None:
         generate_kwargs["input_ids"] = input_ids
     batch = _batch(generate_kwargs)
+    ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = adapter_ids
     if isinstance(adapter_ids, torch.Tensor) and adapter_ids.dim() == 1 and adapter_ids.shape[0] == batch:
         # generate expands each row max(num_beams, num_return_sequences) times (repeat_interleave,
-        # transformers 5's _expand_inputs_for_generation)
+        # transformers 5's _expand_inputs_for_generation) after it ran the encoder or the vision
+        # tower on the rows as given: each layer takes the ids that fit its rows (check_rows), and
+        # scoped_call checks the ids as given, first
         expand = max(_setting(model, generate_kwargs, "num_beams"), _setting(model, generate_kwargs, "num_return_sequences"))
         if expand > 1:
-            adapter_ids, batch = adapter_ids.repeat_interleave(expand), batch * expand
-    return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=adapter_ids, batch=batch)
+            ids = (adapter_ids, adapter_ids.repeat_interleave(expand))
+    return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=ids, batch=batch)
 
 
 def _setting(model: nn.Module, generate_kwargs: dict, field: str) -> int:

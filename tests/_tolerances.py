@@ -28,3 +28,15 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, key, name: str = "output"
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     err = rel_err(out, ref)
     assert err <= REL_TOL[key], f"{name}: rel err {err:.3g} > {REL_TOL[key]:.1g} ({key})"
+
+
+def varying(fn, primals: tuple, tangents: tuple, which: tuple) -> tuple:
+    """(f, primals, tangents) for forward mode with only the arguments of ``fn(*primals)`` at
+    positions ``which`` varying: f takes those, the rest stay as given."""
+    def f(*given):
+        args = list(primals)
+        for i, t in zip(which, given):
+            args[i] = t
+        return fn(*args)
+
+    return f, tuple(primals[i] for i in which), tuple(tangents[i] for i in which)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ._adapter import Adapter
 from . import _carrier
@@ -40,7 +41,14 @@ CARRY = True
 def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
     if adapter is None or isinstance(adapter, Adapter):
         return adapter
-    if isinstance(adapter, Sequence) and all(isinstance(a, Adapter) for a in adapter):
+    if isinstance(adapter, Sequence) and not isinstance(adapter, (str, bytes)):
+        for i, a in enumerate(adapter):
+            if not isinstance(a, Adapter):
+                raise TypeError(
+                    f"fastaf: adapter[{i}] is {type(a).__name__}, not a fastaf.Adapter (adapter is a "
+                    f"{type(adapter).__name__} of {len(adapter)}, whose Adapters' deltas add: leave out items "
+                    "that are not Adapters, such as None)"
+                )
         if not adapter:
             return None
         total = adapter[0]
@@ -50,7 +58,6 @@ def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
     raise TypeError(
         f"adapter must be a fastaf.Adapter, a list of Adapters or None, got {type(adapter).__name__}"
     )
-
 
 
 _local = threading.local()  # per thread: the eager functional_call scopes, innermost last
@@ -158,7 +165,7 @@ def functional_call(
             it was, also when the call raises.
         adapter: an ``Adapter``, a list of Adapters (their deltas add), or None.
         args: positional arguments (a single tensor is wrapped in a tuple).
-        kwargs: keyword arguments.
+        kwargs: a dict of keyword arguments, or None.
         params: name -> tensor replacing the model's parameters/buffers for this call, as in
             ``torch.func.functional_call``.
         adapter_ids: (batch,) integer tensor with a stacked ``adapter`` (``fastaf.stack``):
@@ -172,7 +179,12 @@ def functional_call(
     """
     if not isinstance(args, tuple):
         args = (args,)
-    kwargs = kwargs or {}
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, Mapping):
+        what = f"a Tensor {tuple(kwargs.shape)}" if isinstance(kwargs, Tensor) else f"a {type(kwargs).__name__}"
+        raise TypeError(f"fastaf.functional_call: kwargs must be a dict of keyword arguments or None, got {what}; "
+                        "pass the model's positional inputs in args: functional_call(model, adapter, (x,))")
     inputs = (adapter, args, kwargs, params, adapter_ids)
     level = grad_level(model, inputs)
     if level:  # one eager torch.func.grad level: the model runs below it, as plain autograd
@@ -235,8 +247,11 @@ def scoped_call(
     """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
     machinery, for callers that run the model another way (``fastaf.generate``).
 
-    ``batch``: the number of examples the run's layers see, which ``adapter_ids`` must match
-    (or that and the input it was read from).
+    ``adapter_ids``: as ``functional_call``'s, or a tuple of such tensors for a run whose layers
+    see the batch at several sizes, the ids as given first (``fastaf.generate``: they and the ids
+    repeated per beam); each layer takes the one that fits its rows (``_multi.check_rows``).
+    ``batch``: the number of examples the ids as given must match (or that and the input it was
+    read from).
     """
     adapter = _combine(adapter)
     if adapter is None or len(adapter) == 0:
@@ -326,10 +341,17 @@ def _batch_size(args: tuple, kwargs: dict) -> tuple[int, str] | None:
 
 
 def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None, *, values: bool = True) -> None:
-    """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync).
+    """adapter_ids: a 1-D integer tensor, one id per example, each in [-1, n) (one host sync); or
+    ``scoped_call``'s tuple of them, each checked, the first (the ids as given) against ``batch``.
 
     ``values`` False (traced): only what the trace knows (type, shape, dtype, device, the batch);
-    the range needs the values."""
+    the range needs the values. Nor are they read while make_fx traces (``torch.func.linearize``,
+    whose eager call before its trace checked them; ``torch.export``), which refuses a read of a
+    traced tensor: the range is then an assert in the graph, as under ``torch.compile``."""
+    if isinstance(ids, tuple) and ids and all(isinstance(t, Tensor) for t in ids):
+        for i, one in enumerate(ids):
+            _check_ids(one, adapter, batch if i == 0 else None, values=values)
+        return
     if not isinstance(ids, Tensor):
         raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
@@ -344,7 +366,7 @@ def _check_ids(ids: Any, adapter: Adapter, batch: int | tuple[int, str] | None, 
     if size is not None and ids.shape[0] != size:
         raise ValueError(f"fastaf: adapter_ids has {ids.shape[0]} entries for a batch of {size} examples"
                          + (f" (the leading size of {source})" if source else ""))
-    if n and ids.numel() and not values:
+    if n and ids.numel() and not (values and get_proxy_mode() is None):
         # traced: checked where the ids are, without a host sync (on CUDA a device-side assert,
         # which ends the process as torch's own out-of-range indexing does)
         torch._assert_async(((ids >= -1) & (ids < next(iter(n)))).all(),

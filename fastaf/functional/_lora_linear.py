@@ -41,7 +41,7 @@ from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 from ._transforms import (_CALL, _NO_SCOPE, _apply_single_level, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _higher_order_traced, _linearized, _traced_apply,
+                          _double_backward, _functorch, _higher_order_traced, _tangent_sum, _traced_apply,
                           note_factors, tracked_scope)
 
 IMPLS = ("auto", "triton", "torch")
@@ -347,13 +347,30 @@ class _LoRALinearFn(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t, a_t, b_t, *_):
-        """Forward mode (torch.func.jvp, jacfwd, jvp of grad): the reference's linearization."""
+        """Forward mode (torch.func.jvp, jacfwd, jvp of grad, linearize): the tangent of
+        ``reference_fwd``, written out. With xd = x * mask (dropout scales x on the LoRA path
+        alone) and h = xd @ A.T,
+
+            y_t = x_t @ W.T + x @ W_t.T + bias_t + s * ((xd_t @ A.T + xd @ A_t.T) @ B.T + h @ B_t.T)
+
+        over the group axis as the reference broadcasts it; a None tangent is zero and its terms
+        are left out (``_tangent_sum``). A and B and their tangents in x's dtype, as the reference
+        casts them."""
         x, weight, bias, a, b, seed = ctx.saved_tensors
-
-        def fwd(x, weight, bias, a, b):
-            return reference_fwd(x, weight, bias, a, b, ctx.scale, ctx.dropout_p, seed)[0]
-
-        y_t = _linearized(fwd, (x, weight, bias, a, b), (x_t, weight_t, bias_t, a_t, b_t))
+        a, b = _as_dtype(a, x.dtype), _as_dtype(b, x.dtype)  # (Ga, R, K), (Gb, N, R)
+        mask = _dropout_scale(x, ctx.dropout_p, seed)  # (Gs, M, K) or None
+        xd = x if mask is None else x * mask
+        xd_t = x_t if x_t is None or mask is None else x_t * mask
+        h_t = _tangent_sum(None if xd_t is None else xd_t @ _t(a),
+                          None if a_t is None else xd @ _t(_as_dtype(a_t, x.dtype)))  # (G, M, R)
+        lora_t = _tangent_sum(None if h_t is None else h_t @ _t(b),
+                             None if b_t is None else (xd @ _t(a)) @ _t(_as_dtype(b_t, x.dtype)))  # (G, M, N)
+        y_t = _tangent_sum(None if x_t is None else x_t @ _t(weight),
+                          None if weight_t is None else x @ _t(weight_t),
+                          None if bias_t is None else bias_t[:, None, :],
+                          None if lora_t is None else ctx.scale * lora_t)
+        G, M, N = _group_size(x, weight, bias, a, b, seed), x.shape[1], weight.shape[1]
+        y_t = x.new_zeros(G, M, N) if y_t is None else y_t.expand(G, M, N).contiguous()
         return y_t, None  # h is marked non-differentiable
 
     @staticmethod

@@ -28,17 +28,31 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _linearized, _traced_apply, note_factors)
+                          _double_backward, _functorch, _tangent_sum, _traced_apply, note_factors)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
 
-def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -> Tensor:
-    """``ids`` for a layer's input of ``rows`` rows: one row per id; anything else is an error,
-    never a guess (a layer laid out time-first, or over tokens gathered per expert, cannot be
-    mapped to ids). ``flattened``: the layer flattened (batch, seq, K) to (batch * seq, K) in
-    batch-major order (GPT-2's Conv1D before its addmm), so each id covers seq consecutive rows:
-    the segments ``lora_linear_multi`` derives from the row count."""
+def check_rows(ids: Tensor | tuple[Tensor, ...], rows: int, where: str, *, flattened: bool = False) -> Tensor:
+    """The ids for a layer's input of ``rows`` rows, one id per row.
+
+    ``ids``: (batch,), or a tuple of candidates for a call whose layers see the batch at more
+    than one size, shortest first: ``fastaf.generate`` with beams or several returned sequences
+    passes the ids as given (for the encoder of T5, BART or Whisper and LLaVA's vision tower,
+    which generate runs on the rows as given) and the same ids repeated as generate repeats each
+    row (the decoding steps); each layer takes the one whose length is its row count.
+    ``flattened``: the layer flattened (batch, seq, K) to (batch * seq, K) in batch-major order
+    (GPT-2's Conv1D before its addmm), so each id covers seq consecutive rows: the segments
+    ``lora_linear_multi`` derives from the row count (of candidates, the longest that divides it).
+
+    A row count that fits no ids is an error. A fitting one is not proof: a layer laid out
+    time-first (seq, batch, K), or over tokens gathered per expert, whose row count happens to
+    equal the number of ids (seq == batch), or, flattened, to be a multiple of it, runs with
+    each id applied to the wrong rows, silently; only layers that lead with the batch are
+    supported.
+    """
+    if isinstance(ids, tuple):
+        return _pick_rows(ids, rows, where, flattened)
     if flattened and ids.shape[0] and rows % ids.shape[0] == 0:
         return ids  # batch-major rows: example i is rows i*seq .. (i+1)*seq, one segment each
     if rows != ids.shape[0]:
@@ -47,6 +61,24 @@ def check_rows(ids: Tensor, rows: int, where: str, *, flattened: bool = False) -
             "adapter_ids needs layers whose first dimension is the batch"
         )
     return ids
+
+
+def _pick_rows(candidates: tuple[Tensor, ...], rows: int, where: str, flattened: bool) -> Tensor:
+    """``check_rows`` over candidate ids, shortest first: the one with ``rows`` entries, else,
+    ``flattened``, the longest that divides ``rows`` (generate's decoding batch, over the rows as
+    given: a decoder's Conv1D at seq 1 has as many rows as the expanded ids)."""
+    for ids in candidates:
+        if ids.shape[0] == rows:
+            return ids
+    if flattened:
+        for ids in reversed(candidates):
+            if ids.shape[0] and rows % ids.shape[0] == 0:
+                return ids
+    sizes = " or ".join(str(ids.shape[0]) for ids in candidates)
+    raise ValueError(
+        f"{where}: adapter_ids has {sizes} entries (as given, and repeated as generate repeats each row) but "
+        f"the layer's input has {rows} rows; adapter_ids needs layers whose first dimension is the batch"
+    )
 
 
 def _segments(t: Tensor, ids: Tensor) -> Tensor:
@@ -185,13 +217,31 @@ class _LoRAMultiFn(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t, a_t, b_t, *_):
-        """Forward mode (torch.func.jvp, jacfwd): the reference's linearization."""
+        """Forward mode (torch.func.jvp, jvp of grad, linearize): the tangent of ``reference_fwd``,
+        written out. Per segment, with its slot's factors A, B, its gate g (0 for id -1) and
+        h = g * x @ A.T,
+
+            y_t = x_t @ W.T + x @ W_t.T + bias_t + s * ((g * (x_t @ A.T + x @ A_t.T)) @ B.T + h @ B_t.T)
+
+        a None tangent zero, its terms left out (``_tangent_sum``); a stack's tangent is gathered
+        and cast to x's dtype as its factors are. (No dropout: training with it takes
+        ``_reference_with_dropout``, plain torch.)"""
         x, weight, bias, a, b, ids = ctx.saved_tensors
-
-        def fwd(x, weight, bias, a, b):
-            return reference_fwd(x, weight, bias, a, b, ids, ctx.scale)[0]
-
-        y_t = _linearized(fwd, (x, weight, bias, a, b), (x_t, weight_t, bias_t, a_t, b_t))
+        T, N = x.shape[0], weight.shape[0]
+        A, B, gate = _gathered(a, b, ids, x.dtype)  # (n_seg, R, K), (n_seg, N, R), (n_seg, 1, 1)
+        slot = ids.clamp(min=0).long()
+        xs = _segments(x, ids)  # (n_seg, S, K)
+        h_t = _tangent_sum(None if x_t is None else torch.bmm(_segments(x_t, ids), A.transpose(1, 2)),
+                          None if a_t is None else torch.bmm(xs, a_t[slot].to(x.dtype).transpose(1, 2)))
+        h_t = None if h_t is None else h_t * gate  # (n_seg, S, R)
+        lora_t = _tangent_sum(None if h_t is None else torch.bmm(h_t, B.transpose(1, 2)),
+                             None if b_t is None else torch.bmm(torch.bmm(xs, A.transpose(1, 2)) * gate,  # h
+                                                                b_t[slot].to(x.dtype).transpose(1, 2)))
+        y_t = _tangent_sum(None if x_t is None else F.linear(x_t, weight),
+                          None if weight_t is None else F.linear(x, weight_t),
+                          bias_t,  # (N,): broadcasts over the rows
+                          None if lora_t is None else ctx.scale * lora_t.reshape(T, N))
+        y_t = x.new_zeros(T, N) if y_t is None else y_t.expand(T, N).contiguous()
         return y_t, None  # h is marked non-differentiable
 
     @staticmethod

@@ -248,18 +248,19 @@ def _double_backward(level: int, *cotangents: Optional[Tensor]) -> bool:
     return _entered_in_grad_mode() is not False and any(map(_requires_grad_beneath, cotangents))
 
 
-def _linearized(fn: Any, primals: tuple, tangents: tuple) -> Tensor:
-    """A Function's jvp rule from its torch reference: the tangent of ``fn(*primals)`` (one
-    output) along ``tangents``, a None tangent (an input forward mode does not vary) taken as zero
-    and a None primal (no bias) left out of both."""
-    pairs = [(p, torch.zeros_like(p) if t is None else t) for p, t in zip(primals, tangents) if p is not None]
-    present = [p is not None for p in primals]
+def _tangent_sum(*terms: Optional[Tensor]) -> Optional[Tensor]:
+    """A jvp rule's tangent, the sum of its product-rule ``terms``: each None where the operand it
+    differentiates has a None tangent (an input forward mode does not vary: the frozen weight, no
+    bias), so no GEMM runs against a zero tangent. None when every term is.
 
-    def along(*given: Tensor) -> Tensor:
-        it = iter(given)
-        return fn(*(next(it) if keep else None for keep in present))
-
-    return torch.func.jvp(along, tuple(p for p, _ in pairs), tuple(t for _, t in pairs))[1]
+    The ops' jvp rules write their tangents out with this rather than running ``torch.func.jvp``
+    over their references: ``torch.func.linearize`` traces a rule inside a forward-AD level of its
+    own, where a nested one is refused ("Nested forward mode AD is not supported")."""
+    total = None
+    for term in terms:
+        if term is not None:
+            total = term if total is None else total + term
+    return total
 
 
 def _traced_apply(fn: type[torch.autograd.Function]) -> Any:

@@ -872,3 +872,39 @@ def test_forward_mode_matches_the_merged_model(make):
     jac0 = torch.func.jacfwd(lambda a: merged(a)[0, -1, :3])(ad)
     for got, want in zip(pytree.tree_leaves(jac), pytree.tree_leaves(jac0)):
         assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_linearize_matches_the_merged_model(make):
+    """torch.func.linearize traces the call under a forward-AD level of its own, and the op's jvp
+    rule ran torch.func.jvp inside it: "Nested forward mode AD is not supported at the moment".
+    Its output and its linear map, at two tangents, against the merged model's."""
+    model, ids = make(layers=1), token_batch(batch=2, seq=5)
+    targets = MODELS["gpt2"][1] if make is tiny_gpt2 else ["q_proj", "v_proj", "down_proj"]
+    ad = random_adapter(model, targets, seed=1)
+    y, jvp_fn = torch.func.linearize(lambda a: fa.functional_call(model, a, (ids,)).logits, ad)
+    y0, jvp_fn0 = torch.func.linearize(
+        lambda a: torch.func.functional_call(model, fa.merge_into(model, a), (ids,)).logits, ad)
+    assert rel_err(y, y0) < 1e-5
+    for seed in (2, 3):
+        tangent = random_adapter(model, targets, seed=seed)
+        want = jvp_fn0(tangent)
+        assert want.abs().max() > 0 and rel_err(jvp_fn(tangent), want) < 1e-5, seed
+
+
+def test_bad_adapter_list_and_kwargs_are_named():
+    """A list holding a non-Adapter named only its type ("got list"); a tensor passed as kwargs
+    raised "Boolean value of Tensor with more than one value is ambiguous" from `kwargs or {}`."""
+    model, ids = tiny_llama(layers=1), token_batch(batch=2, seq=5)
+    ad = random_adapter(model, ["q_proj"])
+    with pytest.raises(TypeError, match=r"adapter\[1\] is NoneType, not a fastaf.Adapter \(adapter is a list of 2"):
+        fa.functional_call(model, [ad, None], (ids,))
+    with pytest.raises(TypeError, match=r"adapter\[0\] is str, not a fastaf.Adapter \(adapter is a tuple of 1"):
+        fa.functional_call(model, ("q_proj",), (ids,))
+    with pytest.raises(TypeError, match=r"kwargs must be a dict of keyword arguments or None, got a Tensor \(2, 5\)"):
+        fa.functional_call(model, ad, (), ids)
+    with pytest.raises(TypeError, match=r"kwargs must be a dict .*, got a list"):
+        fa.functional_call(model, ad, (ids,), [])
+    want = fa.functional_call(model, ad, (ids,)).logits  # None and a dict still work
+    torch.testing.assert_close(fa.functional_call(model, ad, (), {"input_ids": ids}).logits, want)
+    torch.testing.assert_close(fa.functional_call(model, ad, (ids,), None).logits, want)

@@ -13,7 +13,7 @@ from fastaf.functional import lora_linear
 from fastaf.functional import _lora_linear as L
 from fastaf.functional._lora_linear import _LoRALinearFn
 from fastaf.kernels.dropout_hash import keep_mask
-from tests._tolerances import assert_close
+from tests._tolerances import assert_close, varying
 
 
 def make(M=7, K=6, N=5, r=3, dtype=torch.float32, bias=True, lead=(2,), seed=0, dropout=0.0):
@@ -552,3 +552,37 @@ def test_public_op_is_exact_under_plain_autograd_over_func_grad():
     tracked = a1.clone().requires_grad_()
     (got,) = torch.autograd.grad(outer(tracked), tracked)
     assert_close(got, want, torch.float32, "d outer / d A1")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_jvp_rule_is_the_tangent_of_the_formula_and_runs_under_linearize(dropout):
+    """The op's jvp rule, written out, against torch.func.jvp of the formula (fp64), with each
+    operand varying alone and all together (the others' tangents None), over a group axis that
+    broadcasts (x and the weight once, two adapters), with dropout's mask on the LoRA path only
+    and fp32 factors beside fp64 x (cast as the reference casts them). torch.func.linearize of
+    the op gives the same: it raised "Nested forward mode AD is not supported" before."""
+    x, w, b, lo = make(M=4, K=5, N=3, r=2, dtype=torch.float64, lead=())
+    g = torch.Generator().manual_seed(1)
+    x, w, b = x[None], w[None], b[None]  # (1, M, K), (1, N, K), (1, N)
+    A, B = torch.randn(2, 2, 5, generator=g), torch.randn(2, 3, 2, generator=g)  # fp32, G = 2
+    seed = torch.tensor([11]) if dropout else None
+    keep = 1.0 if not dropout else keep_mask(seed, 4, 5, dropout, x.device).double() / (1 - dropout)
+    primals = (x, w, b, A, B)
+    tangents = tuple(torch.randn(p.shape, generator=g, dtype=p.dtype) for p in primals)
+
+    def op(x, w, b, A, B):
+        return _LoRALinearFn.apply(x, w, b, A, B, 0.7, dropout, seed, "torch")[0]
+
+    def formula(x, w, b, A, B):
+        A, B = A.double(), B.double()
+        return x @ w.transpose(1, 2) + b[:, None, :] + 0.7 * ((x * keep) @ A.transpose(1, 2)) @ B.transpose(1, 2)
+
+    for which in [(0,), (1,), (2,), (3,), (4,), (0, 1, 2, 3, 4)]:
+        f, p, t = varying(op, primals, tangents, which)
+        y, y_t = torch.func.jvp(f, p, t)
+        y0, y0_t = torch.func.jvp(*varying(formula, primals, tangents, which))
+        assert y_t.shape == (2, 4, 3) and y_t.dtype == torch.float64, which
+        assert_close(y, y0, torch.float64, f"y, varying {which}")
+        assert_close(y_t, y0_t, torch.float64, f"y_t, varying {which}")
+        y_lin, jvp_fn = torch.func.linearize(f, *p)
+        assert_close(jvp_fn(*t), y0_t, torch.float64, f"linearize, varying {which}")

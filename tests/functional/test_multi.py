@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import fastaf as fa
-from tests._models import MODELS, random_adapter, tiny_llama, token_batch
+from tests._models import ARCHS, MODELS, random_adapter, tiny_bart, tiny_llama, token_batch
 from tests._modes import deterministic
-from tests._tolerances import rel_err
+from tests._tolerances import rel_err, varying
 
 IDS = torch.tensor([2, -1, 0, 1, 2])  # 5 examples over a stack of 3; -1 is the base model
 
@@ -127,6 +127,75 @@ def test_generate_repeats_ids_as_generate_expands_rows(beams, returns, in_config
             assert torch.equal(mixed[row * returns:(row + 1) * returns], one), f"row {row} (adapter {k})"
 
 
+def _encoder_decoder(name):
+    """(model, targets on both sides, inputs of 3 rows with their row slicer): generate runs
+    BART's and T5's encoder and LLaVA's vision tower and projector on the rows as given."""
+    if name == "bart":
+        model, targets = tiny_bart(), ["q_proj", "v_proj", "out_proj", "fc1", "fc2"]
+        inputs = {"input_ids": token_batch(batch=3, seq=7)}
+    else:
+        make, targets, inputs_of = ARCHS[name]
+        model = make()
+        targets = ["q", "v", "wi"] if name == "t5" else ["q_proj", "v_proj", "fc1", "linear_1"]
+        inputs = {k: v for k, v in inputs_of().items() if k != "labels"}
+        inputs = {k: torch.cat([v, v[:1]]) for k, v in inputs.items()}  # 3 rows (the first repeated)
+    return model, targets, inputs
+
+
+@pytest.mark.parametrize("name", ["bart", "t5", "llava"])
+@pytest.mark.parametrize("opts", [dict(num_beams=2), dict(num_beams=2, num_return_sequences=2),
+                                  dict(do_sample=True, top_k=1, num_return_sequences=2)])
+def test_generate_with_beams_gives_the_encoder_the_ids_as_given(name, opts):
+    """With beams or several returned sequences generate repeats each row for the decoding steps
+    but runs the encoder (the vision tower) on the rows as given: each row must decode with its
+    own adapter on both sides, as that adapter alone does (it raised "adapter_ids has 6 entries
+    but the layer's input has 3 rows"). Sampling with top_k=1 runs the sampling path with one
+    token to draw, so its tokens compare too; every step's logits compare as well."""
+    model, targets, inputs = _encoder_decoder(name)
+    ads = [20.0 * random_adapter(model, targets, r=2 + i, alpha=4.0 + i, seed=i) for i in range(2)]
+    rows = torch.tensor([1, -1, 0])
+    kw = dict(max_new_tokens=3, min_new_tokens=3, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+              **opts)  # min_new_tokens: no row ends early, padded in the batch alone
+    torch.manual_seed(0)
+    mixed = fa.generate(model, fa.stack(ads), adapter_ids=rows, **inputs, **kw)
+    n = opts.get("num_return_sequences", 1)
+    assert mixed.sequences.shape[0] == 3 * n
+    for row, k in enumerate(rows.tolist()):
+        torch.manual_seed(0)
+        alone = fa.generate(model, ads[k] if k >= 0 else None, **{a: v[row:row + 1] for a, v in inputs.items()}, **kw)
+        span = slice(row * n, (row + 1) * n)
+        assert torch.equal(mixed.sequences[span], alone.sequences), f"row {row} (adapter {k})"
+        e = max(opts.get("num_beams", 1), n)  # each step's logits: (rows * e, vocab), e per row
+        for step, (got, want) in enumerate(zip(mixed.logits, alone.logits)):
+            assert rel_err(got[row * e:(row + 1) * e], want) < 1e-5, f"row {row} (adapter {k}), step {step}"
+    assert not torch.equal(mixed.sequences[0], mixed.sequences[n])  # the adapters change the tokens
+
+
+def test_generate_with_beams_through_flattened_layers():
+    """GPT-2's Conv1D flattens (batch, seq, K) before its addmm: among the ids as given and the
+    ids repeated per beam, its rows (beams * batch * seq) take the repeated ones."""
+    model, targets = MODELS["gpt2"]
+    model = model()
+    ads = [20.0 * random_adapter(model, targets, r=2 + i, alpha=4.0 + i, seed=i) for i in range(2)]
+    rows, prompts = torch.tensor([1, -1, 0]), token_batch(batch=3, seq=5)
+    kw = dict(max_new_tokens=3, min_new_tokens=3, pad_token_id=0, num_beams=2)
+    mixed = fa.generate(model, fa.stack(ads), prompts, adapter_ids=rows, **kw)
+    for row, k in enumerate(rows.tolist()):
+        alone = fa.generate(model, ads[k] if k >= 0 else None, prompts[row:row + 1], **kw)
+        assert torch.equal(mixed[row:row + 1], alone), f"row {row} (adapter {k})"
+
+
+def test_generate_checks_the_ids_as_given_before_repeating_them():
+    """A bad id tensor is named with the shape the caller passed, (2,), not generate's (4,)."""
+    model = tiny_llama(layers=1)
+    _, stack = _stack(model, ["q_proj"], n=2)
+    prompts = token_batch(batch=2, seq=4)
+    with pytest.raises(ValueError, match=r"1-D int32/int64 tensor, got \(2,\) torch.float32"):
+        fa.generate(model, stack, prompts, adapter_ids=torch.tensor([0.0, 1.0]), num_beams=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"in \[-1, 2\) for a stack of 2 adapters, got values from 0 to 2"):
+        fa.generate(model, stack, prompts, adapter_ids=torch.tensor([0, 2]), num_beams=2, max_new_tokens=2)
+
+
 def test_the_batch_is_read_from_an_input_that_leads_with_it():
     """position_ids (1, T) before input_ids gave a batch of 1 and refused valid ids."""
     model = tiny_llama()
@@ -175,6 +244,30 @@ def test_forward_mode_over_per_example_adapters():
         assert rel_err(y_t[row:row + 1], torch.func.jvp(merged, (ads[k],), (tans[k],))[1]) < 1e-5
 
 
+def test_linearize_over_per_example_adapters():
+    """torch.func.linearize traces the call under a forward-AD level of its own: the grouped op's
+    jvp rule nested another ("Nested forward mode AD is not supported"), and the ids' range check
+    read a traced tensor. Each row's tangent is its own adapter's merged model's, the base rows'
+    zero; ids out of range are still an error."""
+    model = tiny_llama(layers=1)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    ads, stack = _stack(model, targets, n=2)
+    tans = [random_adapter(model, targets, r=2 + i, alpha=4.0 + i, seed=10 + i) for i in range(2)]
+    ids, rows = token_batch(batch=3, seq=5), torch.tensor([1, -1, 0])
+    y, jvp_fn = torch.func.linearize(lambda st: fa.functional_call(model, st, (ids,), adapter_ids=rows).logits, stack)
+    y_t = jvp_fn(fa.stack(tans))
+    assert rel_err(y, fa.functional_call(model, stack, (ids,), adapter_ids=rows).logits) < 1e-6
+    for row, k in enumerate(rows.tolist()):
+        if k < 0:
+            assert not y_t[row].any()
+            continue
+        merged = lambda a: torch.func.functional_call(model, fa.merge_into(model, a), (ids[row:row + 1],)).logits  # noqa: E731
+        assert rel_err(y_t[row:row + 1], torch.func.linearize(merged, ads[k])[1](tans[k])) < 1e-5, row
+    with pytest.raises(ValueError, match=r"in \[-1, 2\)"):
+        torch.func.linearize(
+            lambda st: fa.functional_call(model, st, (ids,), adapter_ids=torch.tensor([1, 2, 0])).logits, stack)
+
+
 def test_generate_takes_unset_config_fields_from_the_models_config():
     """A passed GenerationConfig leaves num_beams None; generate then reads the model's (BART's and
     T5's ship 4-5): the ids must be expanded by it too."""
@@ -205,6 +298,20 @@ def test_a_layer_whose_rows_are_not_the_batch_is_an_error():
     stack = fa.stack([fa.Adapter({"proj": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2))})] * 2)
     with pytest.raises(ValueError, match="2 entries but the layer's input has 4 rows"):
         fa.functional_call(model, stack, (torch.randn(2, 4, 6),), adapter_ids=torch.tensor([0, 1]))
+
+
+def test_rows_take_the_candidate_ids_that_fit_them():
+    """generate's ids as given and repeated per beam: each layer's rows pick one; flattened rows
+    the longest that divides them; rows that fit neither are an error naming both."""
+    from fastaf.functional._multi import check_rows
+
+    given = torch.tensor([1, -1, 0])
+    both = (given, given.repeat_interleave(2))
+    assert check_rows(both, 3, "enc") is both[0] and check_rows(both, 6, "dec") is both[1]
+    assert check_rows(both, 6 * 5, "c_attn", flattened=True) is both[1]
+    assert check_rows(both, 3 * 5, "c_attn", flattened=True) is both[0]
+    with pytest.raises(ValueError, match=r"enc: adapter_ids has 3 or 6 entries .* the layer's input has 4 rows"):
+        check_rows(both, 4, "enc")
 
 
 # ---- the grouped op itself: the kernels (TRITON_INTERPRET=1 on CPU) against the reference -----
@@ -499,3 +606,33 @@ def test_autograd_double_backward_through_the_grouped_kernels():
                                    create_graph=True)
         grads[impl] = torch.autograd.grad((g * v).sum(), xg)[0]
     assert grads["torch"].abs().max() > 0 and rel_err(grads["triton"], grads["torch"]) < 1e-5
+
+
+def test_grouped_jvp_rule_is_the_tangent_of_the_formula():
+    """The grouped op's jvp rule, written out, against torch.func.jvp of plain torch (fp64), with
+    each operand varying alone and all together (the others' tangents None), fp32 stacked factors
+    beside fp64 x, a shared slot and a base row; torch.func.linearize gives the same."""
+    from fastaf.functional._multi import lora_linear_multi
+
+    g = torch.Generator().manual_seed(0)
+    K, N = 5, 4
+    ids = torch.tensor([1, -1, 1, 0])
+    f64 = dict(generator=g, dtype=torch.float64)
+    primals = (torch.randn(4, 3, K, **f64), torch.randn(N, K, **f64), torch.randn(N, **f64),
+               torch.randn(2, 3, K, generator=g), torch.randn(2, N, 3, generator=g))  # x, W, bias; fp32 A, B
+    tangents = tuple(torch.randn(p.shape, generator=g, dtype=p.dtype) for p in primals)
+
+    def op(x, w, bias, A, B):
+        return lora_linear_multi(x, w, bias, fa.LoRA(A, B, 0.7), ids, impl="torch")
+
+    def plain(x, w, bias, A, B):
+        gate, s = (ids >= 0).double()[:, None, None], ids.clamp(min=0)
+        lora = (x @ A[s].double().transpose(1, 2)) @ B[s].double().transpose(1, 2)
+        return x @ w.T + bias + 0.7 * gate * lora
+
+    for which in [(0,), (1,), (2,), (3,), (4,), (0, 1, 2, 3, 4)]:
+        f, p, t = varying(op, primals, tangents, which)
+        (y, y_t), (y0, y0_t) = torch.func.jvp(f, p, t), torch.func.jvp(*varying(plain, primals, tangents, which))
+        assert rel_err(y, y0) < 1e-12 and rel_err(y_t, y0_t) < 1e-12, which
+        assert y_t.shape == (4, 3, N) and y_t.dtype == torch.float64, which
+        assert rel_err(torch.func.linearize(f, *p)[1](*t), y0_t) < 1e-12, which
