@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
@@ -67,6 +68,8 @@ def _direct_level(*tensors: Optional[Tensor], factors: tuple = (), weight: Optio
     """
     if _traced():
         return -1  # tracers see _LoRALinearFn and the registered ops
+    if _forward_ad._current_level >= 0:
+        return -1  # eager forward AD (dual tensors) needs the Function's jvp rule
     stack = _functorch.get_interpreter_stack()
     if not stack:
         return 0 if _direct_ok(*tensors) else -1

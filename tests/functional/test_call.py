@@ -875,6 +875,23 @@ def test_forward_mode_matches_the_merged_model(make):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_eager_forward_ad_with_dual_factors_matches_the_merged_model(make):
+    """torch.autograd.forward_ad's dual tensors, eagerly: the layers take the Function and its
+    jvp rule (the fast single-level path has none: "You must implement the jvp function" before)."""
+    import torch.autograd.forward_ad as fwAD
+
+    model, ids = make(layers=1), token_batch(batch=2, seq=5)
+    targets = MODELS["gpt2"][1] if make is tiny_gpt2 else ["q_proj", "v_proj", "down_proj"]
+    ad, tangent = random_adapter(model, targets, seed=1), random_adapter(model, targets, seed=2)
+    with fwAD.dual_level():
+        dual = pytree.tree_map(fwAD.make_dual, ad, tangent)
+        got = fwAD.unpack_dual(fa.functional_call(model, dual, (ids,)).logits).tangent
+    want = torch.func.jvp(lambda a: torch.func.functional_call(model, fa.merge_into(model, a), (ids,)).logits,
+                          (ad,), (tangent,))[1]
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
 def test_linearize_matches_the_merged_model(make):
     """torch.func.linearize traces the call under a forward-AD level of its own, and the op's jvp
     rule ran torch.func.jvp inside it: "Nested forward mode AD is not supported at the moment".
