@@ -387,7 +387,9 @@ class LoRAMode(TorchFunctionMode):
         if not shareable(x, loras):
             return None
         weights = [r.weight for r in group]
-        hs, tokens = shared_h_fanned(x, loras, weights, impl=self.impl)
+        # dx summed over plain weights only: the op mixes no DTensor (FSDP2) with plain gradients
+        fanned = weights if all(type(w) in (Tensor, nn.Parameter) for w in weights) else ()
+        hs, tokens = shared_h_fanned(x, loras, fanned, impl=self.impl)
         self.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
         return hs[0], tokens[0], weights[0]
 
