@@ -65,10 +65,15 @@ def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
                 f"save_adapter: {path} is not selected by config.targets={config.targets!r}; "
                 "PEFT would not create its layer and would drop its weights"
             )
-    dropouts = {lora.dropout for lora in adapter.values()}
+    dropouts: dict[float, list[str]] = {}  # dropout -> the paths that have it
+    for path, lora in adapter.items():
+        dropouts.setdefault(lora.dropout, []).append(path)
     if len(dropouts) > 1:
-        raise ValueError(f"save_adapter: PEFT stores one lora_dropout per adapter, got {sorted(dropouts)}")
-    dropout = dropouts.pop()
+        # each value with its first few modules: enough to find the odd ones among hundreds
+        where = "; ".join(f"{d} at {', '.join(paths[:3])}" + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+                          for d, paths in sorted(dropouts.items()))
+        raise ValueError(f"save_adapter: PEFT stores one lora_dropout per adapter, got {sorted(dropouts)}: {where}")
+    dropout = next(iter(dropouts))
     if config is not None and config.dropout != dropout:
         raise ValueError(f"save_adapter: config.dropout={config.dropout} but the adapter's LoRAs have {dropout}")
     return dropout

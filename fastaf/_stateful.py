@@ -12,8 +12,19 @@ A thin layer over the functional core for code that expects a stateful model (HF
   for an expert LoRA, the module holding the parameter, e.g. ``mlp.experts``):
   the same fused ``lora_linear`` op as ``fastaf.functional_call``, wherever the module runs:
   ``model(...)``, ``generate``'s encoder and vision tower, a submodule called on its own, a
-  checkpointed layer's recompute. Modules the active adapter does not target carry no hook and
-  pay nothing; ``forward`` is the class's own.
+  checkpointed layer's recompute. ``forward`` is the class's own.
+- Compiled (the model whole or block by block), each activation is seen: dynamo does not guard on
+  hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), so every module some adapter targets
+  keeps its always-called hook, active or not, and that hook reads ``registry.active`` on every
+  call, which the compiled graph guards on (an adapter coming back finds its graph cached); so
+  does the model's own always-called hook, inlined where a compiled function calls the model. A
+  graph ``torch.compile(model)`` or a compiled block traced (at its first call) before any
+  adapter targeted a module inside it, or traced for another instance of the class, reads no
+  such hook and may go on serving calls: add adapters before the first compiled call. Modules
+  no adapter targets carry no hook and pay nothing; one that only an inactive adapter targets
+  pays its hook's call (~1.5 us on a CPU).
+- A module replaced after activation (``resize_token_embeddings``' new lm_head) would run
+  without its LoRA: the model's call refuses it, one dict lookup per targeted module.
 - Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
   ``functional_call`` (``functional._group``): the modes share the active adapter's routes,
   kept between calls, and each thread's grouping over them (``_Grouping``). Hooks on the model
@@ -42,11 +53,13 @@ import inspect
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from .functional import (Adapter, Groups, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter,
@@ -160,9 +173,11 @@ class _Registry(nn.Module):
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
-        self.hooked: dict[str, tuple] = {}  # module path -> (pre-hook id, hook id) on that module
-        self.call_hooks: tuple = ()  # the model's forward pre-hook and hook ids (``_Grouping.end_call``)
+        self.entered: dict[str, tuple[nn.Module, int]] = {}  # active adapter's module path -> (module, pre-hook id)
+        self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
+        self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
+        self.checked_training = False  # ``check_training`` ran since the last activation
 
     def forward(self, x: Any) -> Any:
         """The identity: a container that calls its children in order (``nn.Sequential``) reaches
@@ -173,23 +188,25 @@ class _Registry(nn.Module):
         return f"active={self.active!r}"
 
     def slot(self, name: Any) -> _AdapterSlot:
-        if not isinstance(name, str) or name not in self.adapters:
+        if not isinstance(name, str):
+            raise TypeError(f"an adapter name is a str, got {type(name).__name__} {name!r}; "
+                            f"this model has {list(self.adapters)}")
+        if name not in self.adapters:
             raise KeyError(f"no adapter named {name!r}; this model has {list(self.adapters)}")
         return self.adapters[name]
 
+    def attach(self, model: nn.Module) -> None:
+        """The model's always-called hook (``end_call``), for good: with no adapter active too it
+        checks a training call (``check_training``)."""
+        self.call_hooks = (None, model.register_forward_hook(self.end_call, always_call=True).id)
+
     def activate(self, model: nn.Module, name: str | None) -> None:
-        """Make ``name`` active: hooks on exactly its modules, only its factors trainable."""
+        """Make ``name`` active: entry hooks on exactly its modules, only its factors trainable."""
         _close_stale(self)  # a mode an interrupted forward left open in this thread
+        self.detach_entries(model)
+        self.active, self.grouping, self.checked_training = name, None, False
+        self.watch(model)  # ``leave_module`` on every adapter's modules, whatever is active
         modules = dict(model.named_modules())
-        for path, (pre_id, post_id) in self.hooked.items():
-            modules[path]._forward_pre_hooks.pop(pre_id, None)
-            modules[path]._forward_hooks.pop(post_id, None)
-            modules[path]._forward_hooks_always_called.pop(post_id, None)
-        if self.call_hooks:
-            model._forward_pre_hooks.pop(self.call_hooks[0], None)
-            model._forward_hooks.pop(self.call_hooks[1], None)
-            model._forward_hooks_always_called.pop(self.call_hooks[1], None)
-        self.hooked, self.active, self.call_hooks, self.grouping = {}, name, (), None
         owners: dict[str, list[str]] = {}  # module path -> the keys its forward applies
         loras: dict[str, dict[str, LoRA]] = {}  # module path -> its LoRAs (factors maybe still FSDP2 shards)
         for p in [] if name is None else self.slot(name).values():
@@ -197,16 +214,43 @@ class _Registry(nn.Module):
             loras.setdefault(p.owner, {})[p.path] = p.lora(detach=False)
         self.active_loras = {}
         for path, keys in owners.items():
-            pre = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
-            post = modules[path].register_forward_hook(self.leave_module, always_call=True)
-            self.hooked[path] = (pre.id, post.id)
+            # ``functools.partial`` equal in content across activations: dynamo's guards on it pass
+            # again when an adapter comes back (a cached graph, not a recompile)
+            hook = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
+            self.entered[path] = (modules[path], hook.id)
         for slot_name, slot in self.adapters.items():
             for p in slot.parameters():
                 p.requires_grad_(slot_name == name)
         if owners:  # each mode refreshes its routes' LoRAs and weights (``mode``)
             self.grouping = _Grouping({modules[path]: module_routes(modules[path], loras[path]) for path in owners})
-            self.call_hooks = (model.register_forward_pre_hook(self.start_call).id,
-                               model.register_forward_hook(self.end_call, always_call=True).id)
+            # the parents go with the model's own hook, not the registry: a deep copy of one layer
+            # (its hooks' registry) must not copy the whole model
+            start = functools.partial(self.start_call, _placements(model, list(owners)))
+            self.call_hooks = (model.register_forward_pre_hook(start).id, self.call_hooks[1])
+
+    def detach_entries(self, model: nn.Module) -> None:
+        """Remove the active adapter's pre-hooks, from the modules that hold them (maybe replaced since)."""
+        for module, hook_id in self.entered.values():
+            module._forward_pre_hooks.pop(hook_id, None)
+        self.entered = {}
+        if self.call_hooks and self.call_hooks[0] is not None:
+            model._forward_pre_hooks.pop(self.call_hooks[0], None)
+            self.call_hooks = (None, self.call_hooks[1])
+
+    def watch(self, model: nn.Module) -> None:
+        """An always-called hook (``leave_module``) on each module some adapter's LoRA applies to,
+        and on no other: moved to a module that replaced one, removed with the last adapter there."""
+        modules = dict(model.named_modules())
+        wanted = {p.owner for slot in self.adapters.values() for p in slot.values()}
+        for path, (module, hook_id) in list(self.watched.items()):
+            if path not in wanted or modules.get(path) is not module:
+                module._forward_hooks.pop(hook_id, None)
+                module._forward_hooks_always_called.pop(hook_id, None)
+                del self.watched[path]
+        for path in sorted(wanted - self.watched.keys()):
+            if path in modules:  # else gone from the model: ``set_active_adapter`` refuses its adapter
+                hook = modules[path].register_forward_hook(self.leave_module, always_call=True)
+                self.watched[path] = (modules[path], hook.id)
 
     def active_lora(self, path: str) -> LoRA:
         """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
@@ -253,18 +297,81 @@ class _Registry(nn.Module):
             member.lora, member.weight = self.active_lora(member.path), weight
         return module_mode(module, impl=_IMPL, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
 
-    def start_call(self, model: nn.Module, args: Any) -> None:
+    def start_call(self, placed: tuple, model: nn.Module, args: Any) -> None:
+        # checked compiled too: it reads no tensor, and traced it becomes identity guards
+        self.check_placed(placed, model)
         if not torch.compiler.is_compiling() and self.grouping is not None:
             self.grouping.end_call()
 
+    def check_placed(self, placed: tuple[tuple[str, nn.Module, str, nn.Module], ...], model: nn.Module) -> None:
+        """Each module the active adapter's hooks sit on (``placed``: ``_placements``) is still
+        where it was: a module put in its place since (``resize_token_embeddings``' new lm_head,
+        an assignment) has no hook and would run without its LoRA. One dict lookup per module."""
+        for path, parent, name, module in placed:
+            now = parent._modules.get(name)
+            if now is not module:
+                what = "gone" if now is None else f"another {type(now).__name__} now than the one it was activated on"
+                raise RuntimeError(
+                    f"fastaf: adapter {self.active!r} is active on {path}, but {type(model).__name__}.{path} is "
+                    f"{what} (replaced since, e.g. by resize_token_embeddings or an assignment), which runs "
+                    f"without its LoRA; call model.set_active_adapter({self.active!r}) again to check the adapter "
+                    "against the model as it is now and apply it there, or set_active_adapter(None)"
+                )
+
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling() and self.grouping is not None:
+        # ``self.active`` read on every call, compiled too: a compiled function that calls the model
+        # (a train step) guards on it as on ``leave_module``'s. (``torch.compile(model)`` runs the
+        # model's own hooks outside its graph.)
+        if self.active is None:
+            if not torch.compiler.is_compiling() and sys.exc_info()[0] is None:
+                self.check_training(model, output)
+        elif not torch.compiler.is_compiling() and self.grouping is not None:
             self.grouping.end_call(raised=sys.exc_info()[0] is not None)  # always called: also on a raise
 
+    def check_training(self, model: nn.Module, output: Any) -> None:
+        """Warn, once per activation, at the first training call (train mode, grad enabled) with
+        adapters but none active where nothing requires grad: its backward is bound to fail with
+        torch's "element 0 of tensors does not require grad", which names neither cause nor cure.
+        A warning, not an error: the call itself is sound, and a caller may train something the
+        model cannot see (a loss on inputs that require grad, ``torch.autograd.grad`` elsewhere)."""
+        if self.checked_training or not self.adapters or not model.training or not torch.is_grad_enabled():
+            return
+        self.checked_training = True  # one scan of the parameters, not one a call
+        if any(p.requires_grad for p in model.parameters()):
+            return
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch_pytree.tree_leaves(output)):
+            return
+        warnings.warn(
+            f"fastaf: {type(model).__name__} runs in training mode with grad enabled, but no adapter is active "
+            f"(it has {list(self.adapters)}) and fastaf.init froze its base, so nothing it computes requires "
+            "grad and a backward will fail ('element 0 of tensors does not require grad'): call "
+            f"model.set_active_adapter(name) first, e.g. model.set_active_adapter({next(iter(self.adapters))!r})",
+            stacklevel=6,  # the caller's model(...): past end_call and Module's inner, _call_impl, __call__
+        )
+
     def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        # On every module some adapter targets, active or not, and ``self.active`` read on every
+        # call: dynamo does not guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards),
+        # so a graph compiled with no adapter active would never see one activated later; this
+        # read is what it guards on (compiled whole or per block).
+        if self.active is None:
+            return
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _close(stack.pop()[1])
+
+
+def _placements(model: nn.Module, paths: list[str]) -> tuple[tuple[str, nn.Module, str, nn.Module], ...]:
+    """(path, parent, name, module) for each module path: what ``check_placed`` compares. Only the
+    module's own slot in its parent: a wrapper put around an ancestor (activation checkpointing's
+    ``CheckpointWrapper``, a compiled block) still runs the hooked module."""
+    placed = []
+    for path in paths:
+        if path:  # the model itself ("") cannot be replaced inside itself
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            placed.append((path, parent, name, parent._modules[name]))
+    return tuple(placed)
 
 
 def _checkpointed() -> bool:
@@ -362,6 +469,8 @@ def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig 
             "fastaf.functional_call"
         )
     registry.adapters[name] = _AdapterSlot(adapter, config)
+    with _without_registry(model) as base:
+        registry.watch(base)  # its modules read the active adapter from now on (``leave_module``)
 
 
 # ---- the bound methods --------------------------------------------------------------------------
@@ -388,6 +497,9 @@ def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *
             adapter = init_adapter(base, config, seed=seed)
         _register(self, name, adapter, config)
     elif isinstance(config, Adapter):
+        if seed is not None:
+            raise TypeError(f"add_new_adapter({name!r}, ..., seed={seed!r}): seed seeds the initialisation of a "
+                            "fastaf.LoRAConfig's factors; an Adapter brings its own: drop seed=")
         _register(self, name, config, None)
     else:
         raise TypeError(
@@ -402,6 +514,9 @@ def _set_active_adapter(self: nn.Module, name: str | None) -> None:
     changed since the adapter was added (``resize_token_embeddings`` under an adapted lm_head)
     is an error here, not at the next forward."""
     registry = _registry(self)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"set_active_adapter takes one adapter's name (a str) or None, got {type(name).__name__} "
+                        f"{name!r}; this model has {list(registry.adapters)}")
     if name is not None:
         slot = registry.slot(name)  # KeyError naming the known adapters
     with _without_registry(self) as base:
@@ -421,6 +536,8 @@ def _remove_adapter(self: nn.Module, name: str) -> None:
     if registry.active == name:
         _set_active_adapter(self, None)
     del registry.adapters[name]
+    with _without_registry(self) as base:
+        registry.watch(base)  # off the modules no adapter left targets
 
 
 def _get_adapter(self: nn.Module, name: str) -> Adapter:
@@ -476,22 +593,37 @@ def init(model: nn.Module) -> nn.Module:
     ``active_adapter`` on this instance (see the module docstring).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``, or is ``torch.compile``'s wrapper of one.
         ValueError: the model already has an attribute with one of those names.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastaf.init needs an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, _ATTR, None), _Registry):
-        return model
+        return model  # a compiled wrapper of an inited model too: it reads the model's attributes
+    _refuse_compiled(model, "fastaf.init")
     taken = [n for n in (_ATTR, *_METHODS) if hasattr(model, n)]
     if taken:
         raise ValueError(f"fastaf.init: {type(model).__name__} already has attribute(s) {taken}")
     for p in model.parameters():
         p.requires_grad_(False)
     model.add_module(_ATTR, _Registry())
+    getattr(model, _ATTR).attach(model)
     for name, fn in _METHODS.items():
         setattr(model, name, _Method(fn, model))
     return model
+
+
+def _refuse_compiled(model: nn.Module, caller: str) -> None:
+    """Refuse ``torch.compile``'s wrapper (``OptimizedModule``): it forwards attribute reads to the
+    model it wraps but not ``add_module``, so the registry would land on the wrapper and the
+    methods on the model, each unusable without the other."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        raise TypeError(
+            f"{caller}: got torch.compile's wrapper (OptimizedModule) of a {type(model._orig_mod).__name__}, "
+            "not the model: call fastaf.init(model) before torch.compile(model), or pass the model it wraps, "
+            "compiled._orig_mod (the compiled model follows its adapters and set_active_adapter)"
+        )
 
 
 def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) -> Path:
@@ -545,6 +677,7 @@ def load_adapter(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_adapter needs an nn.Module, got {type(model).__name__}")
+    _refuse_compiled(model, "load_adapter")
     registry = getattr(model, _ATTR, None)
     existing = registry.adapters if isinstance(registry, _Registry) else {}
     if name is not None:

@@ -685,3 +685,211 @@ def test_a_raising_call_does_not_end_grouping_and_passed_weights_are_not_kept(co
         torch.func.functional_call(model, passed, (token_batch(),))
     routes = [r for rs in model.fastaf.grouping.routes.values() for r in rs.values()]
     assert all(isinstance(r.weight, torch.nn.Parameter) for r in routes)
+
+
+# ---- compiled models follow activations; refused and silent misuses -----------------------------
+
+
+def _compiled_adapters(how: str, backend: str):
+    """(base copy, inited 1-layer llama with "a" (q_proj) and "b" (v_proj, gate_proj), what to call:
+    the model compiled whole or each decoder layer compiled (``layer.compile()``))."""
+    torch._dynamo.reset()  # a fresh cache: no graph of an earlier test may answer (nor the recompile limit)
+    model = tiny_llama(layers=1)
+    base = copy.deepcopy(model)
+    fa.init(model)
+    model.add_new_adapter("a", random_adapter(base, ["q_proj"], seed=1))
+    model.add_new_adapter("b", random_adapter(base, ["v_proj", "gate_proj"], seed=2))
+    if how == "whole":
+        return base, model, torch.compile(model, backend=backend)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    return base, model, model
+
+
+@pytest.mark.parametrize("how", ["whole", "per block"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("order", [[None, "a"], ["a", None, "a"], ["a", "b", None, "a", "b"]], ids=str)
+def test_a_compiled_model_follows_every_activation(how, backend, order):
+    """A graph compiled with no adapter active read nothing that activation changes (dynamo does not
+    guard on hooks, skip_nnmodule_hook_guards): it kept running the base model (0.004 off)."""
+    base, model, compiled = _compiled_adapters(how, backend)
+    ids = token_batch()
+    with torch.no_grad():
+        for name in order:
+            model.set_active_adapter(name)
+            got = compiled(ids).logits
+            adapter = None if name is None else model.get_adapter(name)
+            want = base(ids).logits if adapter is None else fa.functional_call(base, adapter, (ids,)).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{order}, at {name}: {m}")
+
+
+def test_a_compiled_step_traced_before_any_adapter_follows_them():
+    """A compiled function that calls the model inlines the model's own hooks, and guards on the
+    active adapter its always-called hook reads: adapters added after its first call apply."""
+    torch._dynamo.reset()
+    model = tiny_llama(layers=1)
+    base = copy.deepcopy(model)
+    fa.init(model)
+    step = torch.compile(lambda ids: model(ids).logits, backend="eager")
+    ids = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(step(ids), base(ids).logits)
+        model.add_new_adapter("a", random_adapter(base, ["q_proj"], seed=1))
+        model.set_active_adapter("a")
+        want = fa.functional_call(base, model.get_adapter("a"), (ids,)).logits
+        torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_sit_on_the_modules_some_adapter_targets_and_go_with_the_adapters():
+    _, model = inited(active=None)  # "a" and "b": q_proj, v_proj
+    watched = {n for n, m in model.named_modules() if m._forward_hooks and n}
+    assert watched == {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")}
+    assert all(not m._forward_pre_hooks for m in model.modules())  # nothing enters a mode with none active
+    model.remove_adapter("a")
+    model.remove_adapter("b")
+    assert all(not m._forward_hooks for n, m in model.named_modules() if n)
+    assert list(model._forward_hooks.values()) == [model.fastaf.end_call]  # the model's own, for good
+
+
+def _state(model):
+    return {k: (v.clone(), v.requires_grad) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def test_init_refuses_a_compiled_wrapper_and_changes_nothing():
+    """fastaf.init(torch.compile(model)) put the registry on the wrapper and the methods on the
+    model: both unusable, and a second init refused."""
+    torch._dynamo.reset()  # no graph an earlier test traced for another LlamaForCausalLM
+    model = tiny_llama(layers=1)
+    compiled = torch.compile(model, backend="eager")
+    before, attrs = _state(model), set(vars(model)) | set(vars(compiled))
+    with pytest.raises(TypeError, match=r"fastaf.init: got torch.compile's wrapper \(OptimizedModule\) of a "
+                                        r"LlamaForCausalLM.*before torch.compile\(model\).*compiled._orig_mod"):
+        fa.init(compiled)
+    with pytest.raises(TypeError, match=r"load_adapter: got torch.compile's wrapper"):
+        fa.load_adapter(compiled, path_or_repo_id="user/never-read")
+    assert set(vars(model)) | set(vars(compiled)) == attrs and "fastaf" not in model._modules
+    assert not hasattr(compiled, "fastaf") and not hasattr(model, "add_new_adapter")
+    after = _state(model)
+    assert all(after[k][1] == rg and torch.equal(after[k][0], v) for k, (v, rg) in before.items())
+    assert all(p.requires_grad for p in model.parameters())  # still the user's to train
+    # the way the message points to works, and the wrapper then follows the model's adapters
+    base = copy.deepcopy(model)
+    fa.init(compiled._orig_mod)
+    assert fa.init(compiled) is compiled  # a wrapper of an inited model: already done
+    compiled.add_new_adapter("a", random_adapter(base, ["q_proj"], seed=1))
+    compiled.set_active_adapter("a")
+    ids = token_batch()
+    with torch.no_grad():
+        want = fa.functional_call(base, model.get_adapter("a"), (ids,)).logits
+        torch.testing.assert_close(compiled(ids).logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_replaced_after_activation_is_an_error_at_the_forward():
+    """resize_token_embeddings under an active lm_head adapter (a new nn.Linear at lm_head), or a
+    new q_proj assigned: the new module has no hook, and the forward ran it without its LoRA."""
+    base, model = inited()  # "b" active: q_proj, v_proj
+    model.add_new_adapter("head", random_adapter(base, ["lm_head"], r=2))
+    model.set_active_adapter("head")
+    ids = token_batch()
+    with torch.no_grad():  # applied before the resize
+        assert torch.equal(model(ids).logits, fa.functional_call(base, model.get_adapter("head"), (ids,)).logits)
+    model.resize_token_embeddings(VOCAB + 8)
+    with pytest.raises(RuntimeError, match=r"adapter 'head' is active on lm_head, but LlamaForCausalLM.lm_head is "
+                                           r"another Linear now.*without its LoRA.*set_active_adapter\('head'\) again"):
+        model(ids)
+    assert torch._C._len_torch_function_stack() == 0
+
+    base, model = inited()
+    attn = model.model.layers[1].self_attn
+    new_q = torch.nn.Linear(32, 32, bias=False)
+    attn.q_proj = new_q
+    with pytest.raises(RuntimeError, match=r"'b' is active on model.layers.1.self_attn.q_proj, but "
+                                           r"LlamaForCausalLM.model.layers.1.self_attn.q_proj is another Linear now"):
+        model(ids)
+    del attn.q_proj
+    with pytest.raises(RuntimeError, match=r"model.layers.1.self_attn.q_proj is gone"):
+        model(ids)
+    attn.q_proj = new_q
+    model.set_active_adapter("b")  # checked against the model as it is now, and applied there
+    base.model.layers[1].self_attn.q_proj = copy.deepcopy(new_q)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fa.functional_call(base, model.get_adapter("b"), (ids,)).logits)
+
+
+def test_a_module_replaced_in_a_compiled_model_is_an_error_too():
+    base, model, compiled = _compiled_adapters("whole", "eager")
+    model.set_active_adapter("a")
+    ids = token_batch()
+    with torch.no_grad():
+        want = fa.functional_call(base, model.get_adapter("a"), (ids,)).logits
+        torch.testing.assert_close(compiled(ids).logits, want, rtol=1e-5, atol=1e-6)
+        model.model.layers[0].self_attn.q_proj = torch.nn.Linear(32, 32, bias=False)
+        with pytest.raises(RuntimeError, match=r"'a' is active on model.layers.0.self_attn.q_proj, but"):
+            compiled(ids)
+
+
+def test_training_with_adapters_but_none_active_warns_once_naming_the_cure():
+    """Adapters added, none activated: the backward failed with torch's bare "element 0 of tensors
+    does not require grad"."""
+    import warnings
+
+    base, model = inited(active=None)
+    model.train()
+    ids = token_batch()
+    with pytest.warns(UserWarning) as record:
+        for _ in range(3):
+            loss = model(ids, labels=ids).loss
+            assert torch.equal(loss, base.train()(ids, labels=ids).loss)  # the base model, as asked
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                loss.backward()
+    ours = [w for w in record if "fastaf" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in record]
+    assert re.search(r"training mode with grad enabled, but no adapter is active \(it has \['a', 'b'\]\).*"
+                     r"model.set_active_adapter\('a'\)", str(ours[0].message))
+    assert ours[0].filename == __file__  # points at the model(...) call
+    model.set_active_adapter("a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model(ids, labels=ids).loss.backward()  # trains, unsaid
+        model.set_active_adapter(None)
+        model.eval()
+        model(ids)  # not training: no warning
+        model.train()
+        with torch.no_grad():
+            model(ids)  # no grad: no warning
+
+
+def test_a_name_that_is_not_a_str_is_a_type_error():
+    _, model = inited()
+    with pytest.raises(TypeError, match=r"set_active_adapter takes one adapter's name \(a str\) or None, got "
+                                        r"list \['a'\]; this model has \['a', 'b'\]"):
+        model.set_active_adapter(["a"])
+    for call in (model.get_adapter, model.remove_adapter):
+        with pytest.raises(TypeError, match=r"an adapter name is a str, got list \['a'\]"):
+            call(["a"])
+    assert model.active_adapter() == "b" and list(model.fastaf.adapters) == ["a", "b"]
+
+
+def test_seed_with_an_adapter_is_an_error():
+    base, model = inited()
+    ad = random_adapter(base, ["k_proj"], seed=4)
+    with pytest.raises(TypeError, match=r"add_new_adapter\('c', \.\.\., seed=123\): seed .*LoRAConfig.* drop seed="):
+        model.add_new_adapter("c", ad, seed=123)
+    assert list(model.fastaf.adapters) == ["a", "b"]
+    model.add_new_adapter("c", ad)
+    assert_adapters_equal(model.get_adapter("c"), ad)
+
+
+def test_mixed_dropouts_at_save_name_their_modules(tmp_path):
+    import dataclasses
+
+    base, model = inited()
+    ad = random_adapter(base, ["q_proj", "v_proj"], seed=4)
+    ad = ad.map(lambda p, l: dataclasses.replace(l, dropout=0.2) if p.endswith("v_proj") else l)
+    model.add_new_adapter("c", ad)
+    with pytest.raises(ValueError, match=re.escape(
+            "PEFT stores one lora_dropout per adapter, got [0.0, 0.2]: 0.0 at model.layers.0.self_attn.q_proj, "
+            "model.layers.1.self_attn.q_proj; 0.2 at model.layers.0.self_attn.v_proj, "
+            "model.layers.1.self_attn.v_proj")):
+        fa.save_adapter_to_local_dir(model, path=tmp_path, name="c")
+    assert list(tmp_path.iterdir()) == []
