@@ -29,6 +29,7 @@ GEMMs).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,7 @@ from ._modules import LinearSpec, ParamSpec, fold_linear, fold_param
 from ._multi import check_rows, lora_linear_multi
 from ._routes import Route, module_routes, resolve_routes
 from ._siblings import lora_linear_given_h, shareable, shared_h_fanned
+from ._transforms import _PLAIN_TYPES, noted
 
 # When siblings take their h from one pass over their shared input: "compiled" (under
 # torch.compile only), "always" or "never" (tests; benchmarks that run both paths in one process).
@@ -165,6 +167,8 @@ class LoRAMode(TorchFunctionMode):
             route.hits += 1
             return route.merged
         weight, lora = _carrier.raw(route.weight), route.lora
+        if torch.compiler.is_compiling():  # a meta-parameter here marks the compile (note_factors)
+            lora = dataclasses.replace(lora, **dict(zip(("A", "B"), noted(lora.A, lora.B))))
         if isinstance(route.spec, ParamSpec):
             route.merged = fold_param(weight, lora, route.spec)
             route.hits += 1
@@ -388,7 +392,7 @@ class LoRAMode(TorchFunctionMode):
             return None
         weights = [r.weight for r in group]
         # dx summed over plain weights only: the op mixes no DTensor (FSDP2) with plain gradients
-        fanned = weights if all(type(w) in (Tensor, nn.Parameter) for w in weights) else ()
+        fanned = weights if all(type(w) in _PLAIN_TYPES for w in weights) else ()
         hs, tokens = shared_h_fanned(x, loras, fanned, impl=self.impl)
         self.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
         return hs[0], tokens[0], weights[0]

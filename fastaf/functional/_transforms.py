@@ -138,12 +138,37 @@ def note_factors(*factors: Optional[Tensor]) -> None:
     beneath the transforms (a meta-parameter), for the whole compile: every backward is traced
     after every forward, so each layer's backward then knows (``_differentiated``). A layer's own
     operands tell nothing when the base is unfrozen (every activation requires grad then), and the
-    call's inputs are not seen inside the trace; without this an outer autograd over a compiled
-    ``torch.func.grad`` lost the terms through every other layer (100% off)."""
+    call's inputs are not seen inside the trace (dynamo cannot unwrap functorch's tensors)."""
     if torch.compiler.is_compiling() and any(map(_requires_grad_beneath, factors)):
         trace = torch._guards.TracingContext.try_get()
         if trace is not None:
             _TRACKED_TRACES.add(trace)
+
+
+class _Noted(torch.autograd.Function):
+    """The identity on a layer's LoRA factors, for a layer no fastaf Function computes (a weight
+    folded to W + ΔW, an expert LoRA): opaque under ``torch.compile``, its ``setup_context`` marks
+    the compile as the Functions' do (``note_factors``), so a meta-parameter only such a layer
+    holds still makes every backward exact."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        return a.view_as(a), b.view_as(b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        note_factors(*inputs)
+
+    @staticmethod
+    def backward(ctx, da, db):
+        return da, db
+
+
+def noted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(a, b), through ``_Noted`` while compiling (``note_factors``); as they are eagerly."""
+    return _Noted_apply(a, b) if torch.compiler.is_compiling() else (a, b)
 
 
 def _trace_tracked() -> bool:
@@ -347,3 +372,6 @@ def _below(level: int, *tensors: Optional[Tensor]):
         yield unwrapped
     finally:
         _functorch.push_dynamic_layer_stack(layer)
+
+
+_Noted_apply = _traced_apply(_Noted)
