@@ -247,10 +247,11 @@ class _Registry(nn.Module):
                 module._forward_hooks.pop(hook_id, None)
                 module._forward_hooks_always_called.pop(hook_id, None)
                 del self.watched[path]
-        for path in sorted(wanted - self.watched.keys()):
-            if path in modules:  # else gone from the model: ``set_active_adapter`` refuses its adapter
-                hook = modules[path].register_forward_hook(self.leave_module, always_call=True)
-                self.watched[path] = (modules[path], hook.id)
+        new = [path for path in sorted(wanted - self.watched.keys()) if path in modules]
+        for path in new:  # (one gone from the model: ``set_active_adapter`` refuses its adapter)
+            hook = modules[path].register_forward_hook(self.leave_module, always_call=True)
+            self.watched[path] = (modules[path], hook.id)
+        _warn_compiled_above(modules, new)
 
     def active_lora(self, path: str) -> LoRA:
         """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
@@ -303,19 +304,29 @@ class _Registry(nn.Module):
         if not torch.compiler.is_compiling() and self.grouping is not None:
             self.grouping.end_call()
 
-    def check_placed(self, placed: tuple[tuple[str, nn.Module, str, nn.Module], ...], model: nn.Module) -> None:
+    def check_placed(self, placed: tuple, model: nn.Module) -> None:
         """Each module the active adapter's hooks sit on (``placed``: ``_placements``) is still
-        where it was: a module put in its place since (``resize_token_embeddings``' new lm_head,
-        an assignment) has no hook and would run without its LoRA. One dict lookup per module."""
-        for path, parent, name, module in placed:
-            now = parent._modules.get(name)
+        where it was: a module put in its place since, or in an ancestor's (``resize_token_embeddings``'
+        new lm_head, an assignment, a fresh attention block), has no hook and would run without its
+        LoRA. One dict lookup per link of the paths (each link once); on a change, each path is
+        resolved again through the wrappers a module may get in place (``torch.compile``'s,
+        activation checkpointing's), which still run the hooked module."""
+        links, targets = placed
+        for parent, name, child in links:
+            if parent._modules.get(name) is not child:
+                break
+        else:
+            return
+        for path, module in targets:
+            now = _resolved(model, path)
             if now is not module:
                 what = "gone" if now is None else f"another {type(now).__name__} now than the one it was activated on"
                 raise RuntimeError(
                     f"fastaf: adapter {self.active!r} is active on {path}, but {type(model).__name__}.{path} is "
-                    f"{what} (replaced since, e.g. by resize_token_embeddings or an assignment), which runs "
-                    f"without its LoRA; call model.set_active_adapter({self.active!r}) again to check the adapter "
-                    "against the model as it is now and apply it there, or set_active_adapter(None)"
+                    f"{what} (it or a module above it replaced since, e.g. by resize_token_embeddings or an "
+                    f"assignment), which runs without its LoRA; call model.set_active_adapter({self.active!r}) "
+                    "again to check the adapter against the model as it is now and apply it there, or "
+                    "set_active_adapter(None)"
                 )
 
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
@@ -361,17 +372,67 @@ class _Registry(nn.Module):
             _close(stack.pop()[1])
 
 
-def _placements(model: nn.Module, paths: list[str]) -> tuple[tuple[str, nn.Module, str, nn.Module], ...]:
-    """(path, parent, name, module) for each module path: what ``check_placed`` compares. Only the
-    module's own slot in its parent: a wrapper put around an ancestor (activation checkpointing's
-    ``CheckpointWrapper``, a compiled block) still runs the hooked module."""
-    placed = []
+def _warn_compiled_above(modules: Mapping[str, nn.Module], paths: list[str]) -> None:
+    """Warn when modules that just got their first adapter sit in a block already compiled in
+    place (``layer.compile()``): a graph it traced before saw no hook there and keeps serving the
+    base model (``torch.compile(model)``'s wrapper cannot be seen from here: the docs say it)."""
+    compiled = [p for p, m in modules.items() if getattr(m, "_compiled_call_impl", None) is not None]
+    hit = [(path, block) for path in paths for block in compiled
+           if block == "" or path == block or path.startswith(block + ".")]
+    if hit:
+        path, block = hit[0]
+        warnings.warn(
+            f"fastaf: {path} ({len(hit)} adapted module(s) in all) sits in {block or 'the model'}, compiled before "
+            "its first adapter was added: a graph traced before does not run the adapter's hooks and keeps "
+            "serving the base model there; add adapters before the first compiled call, or call "
+            "torch._dynamo.reset() before the next one",
+            stacklevel=6,
+        )
+
+
+def _placements(model: nn.Module, paths: list[str]) -> tuple[tuple, tuple]:
+    """What ``check_placed`` compares: every (parent, name, child) link on the way from ``model``
+    to the modules at ``paths``, each once, and (path, module) per path."""
+    links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+    targets = []
     for path in paths:
-        if path:  # the model itself ("") cannot be replaced inside itself
-            parent_path, _, name = path.rpartition(".")
-            parent = model.get_submodule(parent_path)
-            placed.append((path, parent, name, parent._modules[name]))
-    return tuple(placed)
+        if not path:
+            continue  # the model itself ("") cannot be replaced inside itself
+        module = model
+        for name in path.split("."):
+            child = module._modules[name]
+            links[(id(module), name)] = (module, name, child)
+            module = child
+        targets.append((path, module))
+    return tuple(links.values()), tuple(targets)
+
+
+# where a module that wraps another in place keeps it: torch.compile's OptimizedModule, activation
+# checkpointing's CheckpointWrapper, FSDP1's and DDP's wrappers
+_WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    for _ in range(8):  # wrappers of wrappers, not a cycle
+        inner = next((module._modules[a] for a in _WRAPPED if module._modules.get(a) is not None), None)
+        if inner is None:
+            break
+        module = inner
+    return module
+
+
+def _resolved(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` under ``model``, looked up through wrappers put in place since
+    (a name missing on a wrapper is looked for in the module it wraps), or None."""
+    module = model
+    for name in path.split("."):
+        child = module._modules.get(name)
+        if child is None:
+            child = _unwrapped(module)._modules.get(name)
+            if child is None:
+                return None
+        module = child
+    return _unwrapped(module) if module is not None else None
 
 
 def _checkpointed() -> bool:

@@ -893,3 +893,50 @@ def test_mixed_dropouts_at_save_name_their_modules(tmp_path):
             "model.layers.1.self_attn.v_proj")):
         fa.save_adapter_to_local_dir(model, path=tmp_path, name="c")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_targeted_module_compiled_in_place_keeps_its_lora():
+    """``model.lm_head = torch.compile(model.lm_head)`` wraps the hooked module, which still runs:
+    no refusal (the placement check looks through the wrapper)."""
+    base, ids = tiny_llama(layers=1), token_batch()
+    model = copy.deepcopy(base)
+    fa.init(model)
+    ad = random_adapter(base, ["q_proj", "lm_head"], seed=1)
+    model.add_new_adapter("a", ad)
+    model.set_active_adapter("a")
+    model.lm_head = torch.compile(model.lm_head, backend="eager")
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, fa.functional_call(base, ad, (ids,)).logits) < 1e-6
+
+
+def test_an_ancestor_replaced_after_activation_is_an_error_at_the_forward():
+    """A fresh attention block in place of the one whose q_proj / v_proj were hooked: their LoRA
+    would be dropped silently; the forward names the path."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    base, ids = tiny_llama(layers=2), token_batch()
+    model = copy.deepcopy(base)
+    fa.init(model)
+    model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj"], seed=1))
+    model.set_active_adapter("a")
+    fresh = LlamaAttention(model.config, layer_idx=1)
+    fresh.load_state_dict(model.model.layers[1].self_attn.state_dict())
+    model.model.layers[1].self_attn = fresh
+    with pytest.raises(RuntimeError, match=r"active on model\.layers\.1\.self_attn\.q_proj.* or a module above it"):
+        model(ids)
+    model.set_active_adapter("a")  # applied to the modules there now
+    with torch.no_grad():
+        base.model.layers[1].self_attn.load_state_dict(fresh.state_dict())
+        want = fa.functional_call(base, model.get_adapter("a"), (ids,)).logits
+        assert rel_err(model(ids).logits, want) < 1e-6
+
+
+def test_an_adapter_added_inside_a_block_compiled_before_warns():
+    """A block compiled in place and run before its modules had any adapter: its graph never runs
+    their hooks (it keeps serving the base model), so adding the adapter warns."""
+    model = tiny_llama(layers=1)
+    fa.init(model)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.self_attn\.q_proj .* sits in model\.layers\.0, compiled"):
+        model.add_new_adapter("a", random_adapter(model, ["q_proj"], seed=1))
