@@ -185,6 +185,8 @@ def functional_call(
         what = f"a Tensor {tuple(kwargs.shape)}" if isinstance(kwargs, Tensor) else f"a {type(kwargs).__name__}"
         raise TypeError(f"fastaf.functional_call: kwargs must be a dict of keyword arguments or None, got {what}; "
                         "pass the model's positional inputs in args: functional_call(model, adapter, (x,))")
+    if isinstance(adapter_ids, tuple):  # scoped_call's candidates are fastaf.generate's, not a caller's
+        raise TypeError(f"fastaf: adapter_ids must be a torch.Tensor, got a tuple of {len(adapter_ids)}")
     inputs = (adapter, args, kwargs, params, adapter_ids)
     level = grad_level(model, inputs)
     if level:  # one eager torch.func.grad level: the model runs below it, as plain autograd

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastaf.kernels import _graphs
-from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm
+from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm, segments_fit
 from fastaf.kernels.lora_linear_configs import MAX_RANK
 from fastaf.kernels.lora_linear_plan import _choose, _tf32
 
@@ -99,9 +99,8 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
                          dtype=b[i].dtype if dy_plans[i][1] else torch.float32) for i in live}
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
     # H100, 1B q/k/v: 175 us in one launch against 199 for gemm + addmm_ (diag-sibling-dx-s39)
-    layout = weights[live[0]].stride(0) == 1
-    one_launch = len(live) <= 3 and all(dys[i].stride(1) == 1 and (weights[i].stride(0) == 1) == layout
-                                        for i in live)
+    first = live[0]
+    one_launch = segments_fit(dys[first], weights[first], [(dys[i], weights[i]) for i in live[1:]])
 
     def launch() -> None:
         if da_plan[1] > 1:  # split over M: summed atomically

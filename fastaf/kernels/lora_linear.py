@@ -35,7 +35,8 @@ memoized launch plans, dispatch choice) and this module: input checks, the launc
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -190,6 +191,16 @@ def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: 
     return grid, programs, tma, meta, meta_key
 
 
+def segments_fit(x: torch.Tensor, w_kn: torch.Tensor, extra: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether ``gemm`` sums ``extra`` (x_j, w_j) segments beside (x, w_kn) in its launch: at most
+    two, each x_j (M, K_j) in x's dtype with unit stride on K_j, each w_j (K_j, N) in w_kn's dtype
+    with w_kn's unit-stride dim."""
+    M, N, layout = x.shape[0], w_kn.shape[1], w_kn.stride(0) == 1
+    return len(extra) <= 2 and all(
+        xj.shape[0] == M and xj.stride(1) == 1 and xj.dtype == x.dtype and wj.shape == (xj.shape[1], N)
+        and wj.dtype == w_kn.dtype and (wj.stride(0) == 1) == layout for xj, wj in extra)
+
+
 def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tensor, bias: Optional[torch.Tensor],
          l_scale: float, dropout_p: float, seed: Optional[torch.Tensor], out_dtype: torch.dtype,
          *, config: Optional[dict] = None, use_tma: Optional[bool] = None, lead: tuple = (),
@@ -208,11 +219,10 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     N = w_kn.shape[1]
     R = h.shape[1]
     extra = tuple(extra)
-    if len(extra) > 2 or any(xj.shape[0] != M or xj.stride(1) != 1 or wj.shape != (xj.shape[1], N)
-                             or (wj.stride(0) == 1) != (w_kn.stride(0) == 1) for xj, wj in extra):
-        raise ValueError(f"lora_linear.gemm: extra segments must be at most two (x_j (M={M}, K_j) with unit stride "
-                         f"on K_j, w_j (K_j, N={N}) laid out as w_kn); got "
-                         f"{[(tuple(xj.shape), xj.stride(), tuple(wj.shape), wj.stride()) for xj, wj in extra]}")
+    if not segments_fit(x, w_kn, extra):
+        raise ValueError(f"lora_linear.gemm: extra segments must be at most two (x_j (M={M}, K_j) in x's dtype with "
+                         f"unit stride on K_j, w_j (K_j, N={N}) in w_kn's dtype and layout); got "
+                         f"{[(tuple(xj.shape), xj.stride(), xj.dtype, tuple(wj.shape), wj.stride(), wj.dtype) for xj, wj in extra]}")
     has_bias, has_dropout = bias is not None, dropout_p > 0
     xs, ws, hs, us = x.stride(), w_kn.stride(), h.stride(), u_rn.stride()
     call = (("gemm", x.get_device(), M, N, K, R, xs, ws, hs, us, x.dtype, w_kn.dtype, h.dtype, u_rn.dtype,
@@ -605,11 +615,10 @@ def siblings_dx(dys: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], dh
     else cuBLAS sums into one buffer.
     """
     M, K = dys[0].shape[0], weights[0].shape[1]
-    layout = weights[0].stride(0) == 1
-    if (len(dys) <= 3 and a.shape[0] <= MAX_RANK and _choose(impl, "bwd", dys[0], M, K, n, r) == "triton"
-            and all(d.stride(1) == 1 and (w.stride(0) == 1) == layout for d, w in zip(dys, weights))):
-        return gemm(dys[0], weights[0], dh, a, None, 1.0, 0.0, None, dys[0].dtype,
-                    extra=list(zip(dys[1:], weights[1:])))
+    extra = list(zip(dys[1:], weights[1:]))
+    if (a.shape[0] <= MAX_RANK and segments_fit(dys[0], weights[0], extra)
+            and _choose(impl, "bwd", dys[0], M, K, n, r) == "triton"):
+        return gemm(dys[0], weights[0], dh, a, None, 1.0, 0.0, None, dys[0].dtype, extra=extra)
     dtype = dys[0].dtype
     dx = torch.mm(dys[0], weights[0])
     for dy, w in zip(dys[1:], weights[1:]):

@@ -107,6 +107,23 @@ def test_compiled_tokens_sum_dx_over_the_siblings_in_one_op(impl, used):
     assert ops["lora_siblings_dx"] == 1 and ops["lora_given_h_bwd"] == 3, ops  # AOT traces every output's
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ["three", "four", "strided"])
+def test_siblings_dx_in_one_launch_or_summed_apart(impl, case):
+    """lora_siblings_dx over up to three siblings (one launch on the kernels), four (beyond the
+    gemm's segments: cuBLAS sums), or a dy without unit stride (likewise): sum_i dy_i @ W_i + dh @ A."""
+    g = torch.Generator().manual_seed(0)
+    ns = (16, 8, 8, 4) if case == "four" else (16, 8, 8)
+    dys = [torch.randn(12, n, generator=g) for n in ns]
+    if case == "strided":
+        dys[1] = torch.randn(8, 12, generator=g).T  # (12, 8), stride (1, 12)
+    ws = [torch.randn(n, 24, generator=g) for n in ns]
+    dh, a = torch.randn(12, 10, generator=g), torch.randn(10, 24, generator=g)
+    want = sum(d.double() @ w.double() for d, w in zip(dys, ws)) + dh.double() @ a.double()
+    got = torch.ops.fastaf.lora_siblings_dx(dys, ws, dh, a, ns[0], 4, impl)
+    assert_close(got, want, "tf32" if impl == "triton" else torch.float32, "dx")
+
+
 @pytest.mark.parametrize("op", ["shared_h", "shared_da", "given_h_fwd", "given_h_bwd", "siblings_dx"])
 def test_opcheck(op):
     x, a, w, bias = torch.randn(7, 6), torch.randn(5, 6), torch.randn(4, 6), torch.randn(4)

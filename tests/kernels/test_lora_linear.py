@@ -208,7 +208,8 @@ def test_gemm_sums_extra_segments():
 
 def test_gemm_refuses_bad_segments():
     dy, w, dh, a = torch.randn(8, 6), torch.randn(6, 4), torch.randn(8, 2), torch.randn(2, 4)
-    for extra in ([(dy, w)] * 3, [(dy.T.contiguous().T, w)], [(dy, w[:, :3])], [(dy, w.T.contiguous().T)]):
+    for extra in ([(dy, w)] * 3, [(dy.T.contiguous().T, w)], [(dy, w[:, :3])], [(dy, w.T.contiguous().T)],
+                  [(dy.double(), w)], [(dy, w.half())]):
         with pytest.raises(ValueError, match="extra segments"):
             ll.gemm(dy, w, dh, a, None, 1.0, 0.0, None, torch.float32, extra=extra)
 
