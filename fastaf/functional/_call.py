@@ -261,6 +261,18 @@ def scoped_call(
             raise ValueError("fastaf: adapter_ids was given without an adapter (a stacked one, from fastaf.stack)")
         return run()
     compiling = torch.compiler.is_compiling()
+    if compiling:
+        # transformers' layers carry ``gradient_checkpointing`` (its model-level property warns)
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            # dynamo traces a checkpointed layer as a subgraph of its own, where the mode is not
+            # dispatched: the layers would run without the adapter, silently
+            raise NotImplementedError(
+                f"fastaf: torch.compile over functional_call of a {type(model).__name__} with gradient "
+                "checkpointing on: dynamo traces each checkpointed layer apart from functional_call's mode, so "
+                "those layers would run without the adapter. Call model.gradient_checkpointing_disable(), run "
+                "functional_call eagerly (fastaf.functional.checkpoint_context), or use the stateful layer "
+                "(fastaf.init), whose compiled, checkpointed model keeps the adapter"
+            )
     if adapter_ids is not None:
         _check_ids(adapter_ids, adapter, batch, values=not compiling)
     mode = adapter_mode(model, adapter, params=params, impl=impl, adapter_ids=adapter_ids)

@@ -391,8 +391,9 @@ class LoRAMode(TorchFunctionMode):
         if not shareable(x, loras):
             return None
         weights = [r.weight for r in group]
-        # dx summed over plain weights only: the op mixes no DTensor (FSDP2) with plain gradients
-        fanned = weights if all(type(w) in _PLAIN_TYPES for w in weights) else ()
+        # dx summed over plain (N, K) weights only: the op mixes no DTensor (FSDP2) with plain
+        # gradients, and a Conv1D's (K, N) weight is not what its tokens are shaped by
+        fanned = weights if all(type(r.weight) in _PLAIN_TYPES and not r.spec.transposed for r in group) else ()
         hs, tokens = shared_h_fanned(x, loras, fanned, impl=self.impl)
         self.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
         return hs[0], tokens[0], weights[0]

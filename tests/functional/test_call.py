@@ -959,3 +959,20 @@ def test_bad_adapter_list_and_kwargs_are_named():
     want = fa.functional_call(model, ad, (ids,)).logits  # None and a dict still work
     torch.testing.assert_close(fa.functional_call(model, ad, (), {"input_ids": ids}).logits, want)
     torch.testing.assert_close(fa.functional_call(model, ad, (ids,), None).logits, want)
+
+
+def test_compiled_call_with_gradient_checkpointing_is_refused():
+    """Dynamo traces each checkpointed layer apart from functional_call's mode: the layers ran
+    without the adapter, silently (the loss was the base model's). Now a clear error; eager keeps
+    working through checkpoint_context."""
+    base, ids = tiny_llama(layers=1), token_batch()
+    base.config.use_cache = False
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.train()
+    ad = random_adapter(base, ["q_proj", "down_proj"])
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    with pytest.raises(Exception, match="gradient checkpointing on"):
+        torch.compile(torch.func.grad(loss), backend="aot_eager", fullgraph=True)(ad)
+    torch._dynamo.reset()
+    with pytest.raises(Exception):  # no fullgraph: dynamo resumes past the error, then fails (README)
+        torch.compile(torch.func.grad(loss), backend="aot_eager")(ad)
