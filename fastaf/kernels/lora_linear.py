@@ -219,7 +219,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     N = w_kn.shape[1]
     R = h.shape[1]
     extra = tuple(extra)
-    if not segments_fit(x, w_kn, extra):
+    if extra and not segments_fit(x, w_kn, extra):  # the common call has none: no checks on its host path
         raise ValueError(f"lora_linear.gemm: extra segments must be at most two (x_j (M={M}, K_j) in x's dtype with "
                          f"unit stride on K_j, w_j (K_j, N={N}) in w_kn's dtype and layout); got "
                          f"{[(tuple(xj.shape), xj.stride(), xj.dtype, tuple(wj.shape), wj.stride(), wj.dtype) for xj, wj in extra]}")
