@@ -64,6 +64,36 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
     return out
 
 
+def checked(candidates: dict, ref: torch.Tensor, label: str, tol: float = 1e-2) -> dict:
+    """The ``candidates`` (name -> fn) whose output is within ``tol`` relative error of ``ref``;
+    one that fails to build or run, or misses, is printed and left out (a finding, not a crash)."""
+    kept = {}
+    for name, fn in candidates.items():
+        try:
+            err = rel_err(fn(), ref)
+        except Exception as e:  # noqa: BLE001 - a config Triton refuses is a finding
+            print(f"  {label} {name}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        if not err < tol:
+            print(f"  !! {label} {name}: rel err {err:.3g}")
+            continue
+        kept[name] = fn
+    return kept
+
+
+def graph_rounds(fns: dict, rounds: int, rep: int = 60) -> dict[str, list[float]]:
+    """GPU microseconds of each ``fns[key]`` from CUDA-graph replays (``do_bench_cudagraph``'s
+    median), one sample per interleaved round: host time drops out, the GPU's drift spreads over
+    every key."""
+    import triton.testing
+
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            times[key].append(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3)
+    return times
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
@@ -65,22 +64,10 @@ def main() -> None:
             ref = (lhs.float() @ w_kn.float() + 0.5 * h.float() @ u.float())
             fns = {"cublas": lambda lhs=lhs, w_kn=w_kn: torch.mm(lhs, w_kn)}
             confs = variants(M, w_kn.shape[0], w_kn.shape[1], R, w_kn)
-            for name, conf in confs.items():
-                fn = (lambda lhs=lhs, w_kn=w_kn, h=h, u=u, conf=conf:
-                      ll.gemm(lhs, w_kn, h, u, None, 0.5, 0.0, None, torch.bfloat16, config=conf))
-                try:
-                    err = H.rel_err(fn(), ref)
-                except Exception as e:  # noqa: BLE001 - a config Triton refuses is a finding, not a crash
-                    print(f"  {layout} {name}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                if not err < 1e-2:
-                    print(f"  !! {layout} {name}: rel err {err:.3g}")
-                    continue
-                fns[name] = fn
-            times: dict[str, list[float]] = {k: [] for k in fns}
-            for _ in range(ROUNDS):
-                for name, fn in fns.items():
-                    times[name].append(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3)
+            fns.update(H.checked({name: (lambda lhs=lhs, w_kn=w_kn, h=h, u=u, conf=conf:
+                                         ll.gemm(lhs, w_kn, h, u, None, 0.5, 0.0, None, torch.bfloat16, config=conf))
+                                  for name, conf in confs.items()}, ref, layout))
+            times = H.graph_rounds(fns, ROUNDS, rep=60)
             base = statistics.median(times["cublas"])
             print(f"M={M} K={w_kn.shape[0]} N={w_kn.shape[1]} r={R} {layout}: cuBLAS {base:.1f} us")
             for name, t in times.items():

@@ -117,6 +117,12 @@ def gemm_configs(elt: int = 2) -> list[dict]:
       NVGPUWarpSpecialization pass failed); one program per tile ran 1.00-1.20x the persistent
       128x256x64, and 128x128x64 at 2-3 stages (two programs an SM) 1.3-2.1x cuBLAS
       (bench/results/diag-gemm-1b-nvidia-h100-80gb-hbm3.json).
+    - Warp specialization of the persistent *tile* loop (triton 3.6 partitions it on Hopper: a
+      producer warp runs the TMA loads into the next tile while the consumers finish the
+      epilogue), every load (x, w, h, u) through descriptors, with and without flattening, a
+      split store, the LoRA dot ahead of the K loop: at the same 1B shapes no variant beat this
+      kernel; the best ("ws flat") ran 0.98-1.04x it (bench/diag_gemm_ws.py,
+      bench/results/diag-gemm-ws-s40-nvidia-h100-80gb-hbm3.json).
     """
 
     def keep(conf: dict) -> bool:
