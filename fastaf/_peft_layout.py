@@ -53,7 +53,8 @@ _UNSUPPORTED_KEYS = {
 }
 
 # Config fields that, when set, change the forward pass or the layout; fastaf supports none.
-# Initialisation-only fields (init_lora_weights, loftq/eva/corda/lora_ga configs) are ignored.
+# Initialisation-only fields (init_lora_weights, loftq/eva/corda/lora_ga configs) are ignored,
+# but for the inits below.
 _UNSUPPORTED_CONFIG = {
     "use_dora": "DoRA",
     "lora_bias": "LoRA biases",
@@ -69,6 +70,11 @@ _UNSUPPORTED_CONFIG = {
     "velora_config": "VeLoRA",
     "megatron_config": "Megatron parallel layers",
 }
+
+# init_lora_weights values (prefixes) whose init also rewrites the base weight, W - s·B0@A0 (PiSSA,
+# CorDA, OLoRA, LoRA-GA) or a quantized W (LoftQ), which PEFT redoes at every load: the factors were
+# trained on that weight, not the model's own, so fastaf would apply them to the wrong one.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 # ---- scale <-> (r, lora_alpha) ----------------------------------------------------------------
@@ -203,6 +209,14 @@ def _parse_config(text: bytes | None, file: Path) -> dict[str, Any]:
                 f"read_adapter: {file}: {field}={cfg[field]!r} ({what}) is not supported by fastaf; "
                 "refusing to load the adapter without it"
             )
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(
+            f"read_adapter: {file}: init_lora_weights={init!r} trained the factors on a base weight that PEFT "
+            "rewrites at load (W minus the initial B @ A, or a quantized W); fastaf adapts the model's own weight, "
+            "so the result would be wrong. Convert the adapter to a plain LoRA first with PEFT: "
+            "model.save_pretrained(dir, path_initial_model_for_weight_conversion=...)"
+        )
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"read_adapter: {file}: bias={cfg['bias']!r} (trained base biases) is not supported")
     if _number(cfg, "r", file, integer=True) < 1:

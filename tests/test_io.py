@@ -432,6 +432,45 @@ def test_dora_file_is_an_error(tmp_path):
         fa.read_adapter(tmp_path)
 
 
+def test_base_rewriting_init_is_an_error_until_converted(tmp_path):
+    """PiSSA (like CorDA, OLoRA, LoftQ, LoRA-GA) trains on W - s·B0@A0, which PEFT rebuilds at every
+    load: read as a plain LoRA on W its logits were wrong. PEFT's conversion makes a plain LoRA."""
+    base = tiny_llama()
+    ids = torch.randint(0, base.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                init_lora_weights="pissa")).eval()
+    initial, trained = tmp_path / "initial", tmp_path / "trained"
+    peft_model.peft_config["default"].init_lora_weights = True  # PEFT's recipe for the initial save
+    peft_model.save_pretrained(str(initial))
+    peft_model.peft_config["default"].init_lora_weights = "pissa"
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        want = peft_model(ids).logits
+    peft_model.save_pretrained(str(trained))
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa'.*rewrites at load.*"
+                                         r"path_initial_model_for_weight_conversion"):
+        fa.read_adapter(trained)
+    for init in ("olora", "pissa_niter_4", "corda", "loftq", "lora_ga"):
+        _edit_config(trained, init_lora_weights=init)
+        with pytest.raises(ValueError, match=f"init_lora_weights='{init}'"):
+            fa.read_adapter(trained)
+    peft_model.save_pretrained(str(trained), path_initial_model_for_weight_conversion=str(initial))
+    with torch.no_grad():
+        got = fa.functional_call(base, fa.read_adapter(trained, model=base), (ids,)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
+def test_plain_inits_read_as_they_are(saved, init):
+    """Inits that leave the base weight alone describe a plain LoRA once trained."""
+    model, folder = saved
+    _edit_config(folder, init_lora_weights=init)
+    assert set(fa.read_adapter(folder, model=model)) == {p for p, _ in model.named_modules()
+                                                       if p.endswith(("q_proj", "v_proj"))}
+
+
 @pytest.mark.parametrize(
     "field,value", [("modules_to_save", ["lm_head"]), ("bias", "all"), ("peft_type", "IA3")]
 )
