@@ -79,20 +79,45 @@ def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
     return dropout
 
 
-def _file_prefixes(adapter: Adapter) -> dict[str, str]:
+def _file_prefixes(adapter: Adapter, model: nn.Module | None) -> dict[str, str]:
     """Adapter key -> the module prefix of its factors' keys. An expert LoRA sits at its
-    parameter's module, nested in one ``base_layer`` per later parameter of that module as PEFT
-    nests its ParamWrappers; the adapter's key order stands for the module's parameter order
-    (init_adapter and read_adapter keep the model's)."""
+    parameter's module, nested in one ``base_layer`` per later parameter of that module, as PEFT
+    nests its ParamWrappers: in the module's parameter order, taken from ``model`` when given,
+    else from the adapter's key order (init_adapter and read_adapter keep the model's; ``a + b``
+    of one LoRA each need not, hence the warning)."""
     owners: dict[str, list[str]] = {}
     for key, lora in adapter.items():
         if lora.experts:
             owners.setdefault(key.rpartition(".")[0], []).append(key)
+    if model is not None:
+        owners = {owner: _in_parameter_order(model, owner, keys) for owner, keys in owners.items()}
+    elif shared := [owner for owner, keys in owners.items() if len(keys) > 1]:
+        names = ", ".join(k.rpartition(".")[2] for k in owners[shared[0]])
+        more = f" (and {len(shared) - 1} more modules)" if len(shared) > 1 else ""
+        warnings.warn(
+            f"save_adapter: {shared[0]}{more} has LoRAs on several of its parameters ({names}); PEFT nests them "
+            "in the module's parameter order, which without model= is taken to be the adapter's key order: pass "
+            "save_adapter(..., model=model) so that PEFT loads each onto its own parameter", stacklevel=3)
     prefixes = {key: key for key, lora in adapter.items() if not lora.experts}
     for owner, keys in owners.items():
         for depth, key in enumerate(reversed(keys)):
             prefixes[key] = owner + _NESTED * depth
     return prefixes
+
+
+def _in_parameter_order(model: nn.Module, owner: str, keys: list[str]) -> list[str]:
+    """``keys`` (expert LoRAs of module ``owner``) in the order ``model``'s module registers their
+    parameters; a key that names no parameter of it is an error."""
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        raise ValueError(f"save_adapter: {keys[0]} is an expert LoRA, but model has no module {owner!r}") from None
+    order = [name for name, _ in module.named_parameters(recurse=False)]
+    missing = [k for k in keys if k.rpartition(".")[2] not in order]
+    if missing:
+        raise ValueError(f"save_adapter: {missing[0]} names no parameter of {owner} ({type(module).__name__}: "
+                         f"{order})")
+    return sorted(keys, key=lambda k: order.index(k.rpartition(".")[2]))
 
 
 def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) -> dict[str, Any]:
@@ -153,6 +178,7 @@ def save_adapter(
     *,
     config: LoRAConfig | None = None,
     name: str | None = None,
+    model: nn.Module | None = None,
 ) -> Path:
     """Write ``adapter`` in PEFT's layout, loadable by ``peft.PeftModel.from_pretrained``.
 
@@ -172,6 +198,10 @@ def save_adapter(
             reproduced.
         name: kept in the weights file's metadata; ``fastaf.load_adapter`` registers the
             adapter under it, so it must be a name the stateful layer takes (non-empty, no '.').
+        model: the model the adapter is for. Only expert LoRAs need it: where one module has LoRAs
+            on several parameters (Mixtral's ``gate_up_proj`` and ``down_proj``), PEFT nests them in
+            the module's parameter order, which is read from ``model``; without it, from the
+            adapter's key order (a warning says so).
     Returns:
         The directory. Under ``torch.distributed`` only rank 0 writes (every rank checks the
         adapter); other ranks that read the files next must first wait for it, e.g. with
@@ -185,14 +215,16 @@ def save_adapter(
             check_adapter_name(name)  # load_adapter would refuse the file's name
         except ValueError as err:
             raise ValueError(f"save_adapter: {err}") from err
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"save_adapter: model must be an nn.Module, got {type(model).__name__}")
     peft_config = _peft_config(adapter, config, dropout)
+    prefixes = _file_prefixes(adapter, model)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(f"save_adapter: {directory} is a file; PEFT's layout is a directory of two files")
     if not distributed.is_writer():
         return directory
     tensors = {}
-    prefixes = _file_prefixes(adapter)
     for path, lora in adapter.items():
         A, B = lora.A.detach(), lora.B.detach()
         if lora.experts:  # PEFT's (E·r, in) and (out, r·E)

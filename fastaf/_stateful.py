@@ -700,7 +700,7 @@ def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) 
     from ._io import save_adapter
 
     slot = _registry(model).slot(name)
-    save_adapter(slot.adapter(detach=True), path, config=slot.config, name=name)
+    save_adapter(slot.adapter(detach=True), path, config=slot.config, name=name, model=model)
     return Path(path)
 
 

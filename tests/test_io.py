@@ -339,7 +339,8 @@ EXPERTS = "model.layers.0.mlp.experts"
 def test_expert_loras_are_written_in_peft_param_wrapper_layout(tmp_path):
     base = tiny_mixtral()
     ad = random_adapter(base, ["q_proj", "gate_up_proj", "down_proj", "gate.weight"], r=4, alpha=8)
-    fa.save_adapter(ad, tmp_path, config=fa.LoRAConfig(r=4, alpha=8, targets=["q_proj", "gate_up_proj", "down_proj", "gate.weight"]))
+    fa.save_adapter(ad, tmp_path, config=fa.LoRAConfig(r=4, alpha=8, targets=["q_proj", "gate_up_proj", "down_proj", "gate.weight"]),
+                    model=base)
     cfg = json.loads((tmp_path / _io.CONFIG_NAME).read_text())
     assert cfg["target_modules"] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     assert cfg["target_parameters"][:3] == ["model.layers.0.mlp.gate.weight", f"{EXPERTS}.gate_up_proj", f"{EXPERTS}.down_proj"]
@@ -357,6 +358,33 @@ def test_expert_loras_are_written_in_peft_param_wrapper_layout(tmp_path):
     back = fa.read_adapter(tmp_path)  # the file says which nested LoRA is which parameter
     assert sorted(back) == sorted(ad) and back[f"{EXPERTS}.down_proj"].experts
     assert all(torch.equal(back[k].A, ad[k].A) and torch.equal(back[k].B, ad[k].B) and back[k].scale == 2.0 for k in ad)
+
+
+def test_expert_loras_nest_in_the_models_parameter_order(tmp_path):
+    """PEFT nests one module's parameter LoRAs by the module's parameter order. An adapter whose keys
+    run otherwise (``a_down + a_gate_up``) was written the other way round: PEFT refused it on
+    Mixtral, and put each LoRA on the other parameter where the shapes agree."""
+    base = tiny_mixtral()
+    ad = random_adapter(base, ["gate_up_proj", "down_proj"], r=4, alpha=8)
+    downs = [k for k in ad if k.endswith("down_proj")]
+    backwards = fa.Adapter({k: ad[k] for k in downs}) + fa.Adapter({k: ad[k] for k in ad if k not in downs})
+    assert next(iter(backwards)).endswith("down_proj")
+    fa.save_adapter(backwards, tmp_path / "with", model=base)
+    ids = token_batch()
+    assert_close(_peft_logits(_peft_from_dir(base, tmp_path / "with"), ids), _fa_logits(base, ad, ids), F32)
+    with pytest.warns(UserWarning, match=rf"{EXPERTS} \(and 1 more modules\) has LoRAs on several of its "
+                                         r"parameters \(down_proj, gate_up_proj\).*save_adapter\(\.\.\., model=model\)"):
+        fa.save_adapter(backwards, tmp_path / "without")
+    with pytest.raises(ValueError, match=rf"{EXPERTS}.down_proj names no parameter of {EXPERTS}"):
+        fa.save_adapter(backwards, tmp_path / "wrong", model=_without_down_proj(base))
+    assert not (tmp_path / "wrong").exists()  # checked before anything is written
+
+
+def _without_down_proj(base: nn.Module) -> nn.Module:
+    """``base`` with its first experts module's down_proj removed: a model the adapter is not for."""
+    other = copy.deepcopy(base)
+    del other.get_submodule(EXPERTS)._parameters["down_proj"]
+    return other
 
 
 def test_peft_all_linear_on_mixtral_reads_with_the_model(tmp_path):
