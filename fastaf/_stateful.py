@@ -515,12 +515,21 @@ def _without_registry(model: nn.Module) -> Iterator[nn.Module]:
 def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig | None) -> None:
     """Validate ``adapter`` against the model, then add it; nothing is added on error."""
     registry = _registry(model)
-    _check_new_name(name, registry.adapters)
+    with _without_registry(model) as base:
+        _check_registrable(base, name, adapter, registry.adapters)
+    registry.adapters[name] = _AdapterSlot(adapter, config)
+    with _without_registry(model) as base:
+        registry.watch(base)  # its modules read the active adapter from now on (``leave_module``)
+
+
+def _check_registrable(base: nn.Module, name: str, adapter: Adapter, existing: Mapping[str, Any]) -> None:
+    """Raise unless ``adapter`` can be registered as ``name`` beside ``existing`` on ``base`` (the
+    model without its registry); changes nothing, so a caller can check before ``init``."""
+    _check_new_name(name, existing)
     if len(adapter) == 0:
         raise ValueError(f"adapter {name!r} is empty; it adapts no module")
-    with _without_registry(model) as base:
-        _check_unsharded(base, name)
-        adapter_mode(base, adapter)  # raises on unknown paths, non-linear modules, shapes, devices
+    _check_unsharded(base, name)
+    adapter_mode(base, adapter)  # raises on unknown paths, non-linear modules, shapes, devices
     owners = sorted({p.rpartition(".")[0] if l.experts else p for p, l in adapter.items()})
     nested = [(a, b) for a in owners for b in owners if a != b and (a == "" or b.startswith(a + "."))]
     if nested:
@@ -529,9 +538,6 @@ def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig 
             "stateful layer applies a LoRA around its module's forward and cannot nest them: use "
             "fastaf.functional_call"
         )
-    registry.adapters[name] = _AdapterSlot(adapter, config)
-    with _without_registry(model) as base:
-        registry.watch(base)  # its modules read the active adapter from now on (``leave_module``)
 
 
 # ---- the bound methods --------------------------------------------------------------------------
@@ -744,8 +750,8 @@ def load_adapter(
     if name is not None:
         _check_new_name(name, existing)  # fail before reading (or downloading) anything
     # checked against the base model alone: the registry's own modules are not targets
-    scope = _without_registry(model) if isinstance(registry, _Registry) else contextlib.nullcontext(model)
-    with scope as base:
+    scope = lambda: _without_registry(model) if isinstance(registry, _Registry) else contextlib.nullcontext(model)  # noqa: E731
+    with scope() as base:
         adapter, stored = read_adapter_and_name(path_or_repo_id, model=base, revision=revision, token=token)
     if name is None:
         name = stored or _default_name(path_or_repo_id)
@@ -755,6 +761,8 @@ def load_adapter(
             where = "recorded in its files" if stored else "taken from its path"
             raise ValueError(f"load_adapter: {path_or_repo_id}: the adapter name {where} cannot be used: {err}; "
                              "pass name= to load it under another") from err
+    with scope() as base:
+        _check_registrable(base, name, adapter, existing)  # before init changes the model
     init(model)
     _register(model, name, adapter, None)
     return name

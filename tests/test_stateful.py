@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
@@ -479,6 +480,35 @@ def test_a_failed_load_changes_nothing(tmp_path, inited_first):
         fa.load_adapter(model, path_or_repo_id=tmp_path / "gpt2", name="a.b")
     _assert_same(before, _snapshot(model))
     assert hasattr(model, "fastaf") == inited_first  # no registry from a failed load
+
+
+class _ParamAndChild(nn.Module):
+    """A module whose own weight and whose child Linear are both adaptable: the stateful layer
+    cannot nest a LoRA around each."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1, 8, 8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.einsum("bi,eoi->bo", x, self.w))
+
+
+def test_a_load_the_registry_refuses_changes_nothing(tmp_path):
+    """The nesting check ran after ``init``: the failed load left the model frozen, with a registry."""
+    model = nn.Sequential(_ParamAndChild(), nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(0)
+    ad = fa.Adapter({"0.w": fa.LoRA(torch.randn(1, 2, 8, generator=g), torch.randn(1, 8, 2, generator=g), 1.0,
+                                    experts=True),
+                     "0.lin": fa.LoRA(torch.randn(2, 8, generator=g), torch.randn(8, 2, generator=g), 1.0)})
+    fa.save_adapter(ad, tmp_path, model=model)
+    assert set(fa.read_adapter(tmp_path, model=model)) == {"0.w", "0.lin"}  # the file itself is fine
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="adapts weights of '0' and of its submodule '0.lin'.*functional_call"):
+        fa.load_adapter(model, path_or_repo_id=tmp_path, name="x")
+    _assert_same(before, _snapshot(model))
+    assert not hasattr(model, "fastaf")
 
 
 def test_save_records_the_config(tmp_path):
