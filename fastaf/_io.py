@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 import struct
@@ -58,6 +59,11 @@ def _check_savable(adapter: Adapter, config: LoRAConfig | None) -> float:
                 f"save_adapter: {path}: stacked LoRA A {tuple(lora.A.shape)}; PEFT's layout holds one "
                 "adapter per file: save each of fastaf.unstack(adapter) separately"
             )
+        meta = next((n for n, t in (("A", lora.A), ("B", lora.B)) if t.is_meta), None)
+        if meta is not None:
+            raise ValueError(f"save_adapter: {path}: factor {meta} {tuple(getattr(lora, meta).shape)} is on the meta "
+                             "device and has no values to write; materialise the adapter first (to_empty, or an "
+                             "init on a real device)")
         if not math.isfinite(lora.scale):
             raise ValueError(f"save_adapter: {path}: scale {lora.scale} is not finite")
         if config is not None and not _targets_match(config.targets, path):
@@ -120,13 +126,18 @@ def _in_parameter_order(model: nn.Module, owner: str, keys: list[str]) -> list[s
     return sorted(keys, key=lambda k: order.index(k.rpartition(".")[2]))
 
 
+def _plain_number(value: float) -> float | int:
+    """``value`` as the Python int or float that JSON writes (a numpy scalar is neither)."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) -> dict[str, Any]:
     """The adapter_config.json contents: a LoraConfig that rebuilds every rank and scale."""
     rslora = config.rslora if config is not None else False
     ranks = {p: l.rank for p, l in adapter.items()}
     alphas = {p: _alpha_for(l.scale, l.rank, rslora) for p, l in adapter.items()}
-    if config is not None:
-        r, alpha, targets = config.r, config.alpha, config.targets
+    if config is not None:  # numpy numbers pass LoRAConfig's checks but not json.dumps
+        r, alpha, targets = int(config.r), _plain_number(config.alpha), config.targets
     else:
         r = collections.Counter(ranks.values()).most_common(1)[0][0]
         alpha = collections.Counter(a for p, a in alphas.items() if ranks[p] == r).most_common(1)[0][0]
@@ -156,7 +167,7 @@ def _peft_config(adapter: Adapter, config: LoRAConfig | None, dropout: float) ->
         "lora_alpha": alpha,
         "target_modules": targets if isinstance(targets, str) else list(targets),
         "target_parameters": params or None,
-        "lora_dropout": dropout,
+        "lora_dropout": float(dropout),
         "use_rslora": rslora,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,

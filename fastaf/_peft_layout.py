@@ -91,6 +91,7 @@ def _alpha_for(scale: float, r: int, rslora: bool) -> float | int:
     ``scale * r`` can be one ulp off after PEFT divides again, so the neighbouring floats are
     tried too; if none divides back exactly, the nearest (within an ulp) is kept.
     """
+    scale = float(scale)  # a numpy scalar's arithmetic stays numpy, which json.dumps refuses
     alpha = scale * (math.sqrt(r) if rslora else r)
     candidates = [alpha]
     lo = hi = alpha

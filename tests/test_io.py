@@ -17,6 +17,7 @@ import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -261,7 +262,23 @@ def test_save_rejects_what_peft_cannot_hold(tmp_path):
         fa.save_adapter(mixed, tmp_path)
     with pytest.raises(ValueError, match="empty"):
         fa.save_adapter(fa.Adapter({}), tmp_path)
+    with torch.device("meta"):
+        on_meta = fa.init_adapter(tiny_llama(), fa.LoRAConfig(r=4, alpha=8, targets=["q_proj"]))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: factor A \(4, 32\) is on the meta device"):
+        fa.save_adapter(on_meta, tmp_path)  # was torch's "Cannot copy out of meta tensor", naming nothing
     assert not any(tmp_path.iterdir())
+
+
+def test_numpy_numbers_save_as_json_numbers(tmp_path):
+    """numpy scalars pass LoRA's and LoRAConfig's checks; json.dumps refused them at save."""
+    model = tiny_llama()
+    ad = random_adapter(model, ["q_proj"]).map(lambda p, l: fa.LoRA(l.A, l.B, np.float32(0.75), np.float64(0.1)))
+    fa.save_adapter(ad, tmp_path / "scale")
+    cfg = fa.LoRAConfig(r=4, alpha=np.float32(3.0), targets=["q_proj"], dropout=0.1)
+    fa.save_adapter(ad, tmp_path / "config", config=cfg)
+    for folder in ("scale", "config"):
+        back = fa.read_adapter(tmp_path / folder)
+        assert {l.scale for l in back.values()} == {0.75} and {l.dropout for l in back.values()} == {0.1}
 
 
 # ---- PEFT -> fastaf -----------------------------------------------------------------------------

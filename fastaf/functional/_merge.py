@@ -562,7 +562,7 @@ def extract_adapter(
         raise ValueError(f"extract_adapter: r must be an int >= 1, got {r!r}")
     if model is None:
         model = next((m for m in (base_params, tuned_params) if isinstance(m, nn.Module)), None)
-    base, tuned = _as_params(base_params, "base_params", aliases=True), _as_params(tuned_params, "tuned_params")
+    base, tuned = _as_params(base_params, "base_params"), _as_params(tuned_params, "tuned_params")
     layouts = _layouts(model) if model is not None else None
     paths = _changed_paths(base, tuned, layouts, names)
     progress = _Progress("fastaf.extract_adapter", len(paths), verbose)
@@ -577,11 +577,12 @@ def extract_adapter(
     return Adapter(loras)
 
 
-def _as_params(params: nn.Module | Mapping[str, Tensor], what: str, *, aliases: bool = False) -> dict[str, Tensor]:
-    """A module's parameters by name; ``aliases``: every name of a tied one (the base side, looked
-    up by the tuned side's names: merge_into gives an adapted tied lm_head its own)."""
+def _as_params(params: nn.Module | Mapping[str, Tensor], what: str) -> dict[str, Tensor]:
+    """A module's parameters by every name, a tied one's under each (a changed tied lm_head is
+    extracted whether the tuned model comes as a module or as merge_into's mapping, which gives an
+    adapted lm_head its own name; the embedding's side of the tie is no linear layer)."""
     if isinstance(params, nn.Module):
-        return dict(params.named_parameters(remove_duplicate=not aliases))
+        return dict(params.named_parameters(remove_duplicate=False))
     if isinstance(params, Mapping):
         return dict(params)
     raise TypeError(f"extract_adapter: {what} must be an nn.Module or a name -> tensor mapping, "

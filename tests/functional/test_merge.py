@@ -3,6 +3,7 @@ deltas ΔW = scale·B@A, exactness where the math is exact, and parity with PEFT
 ``add_weighted_adapter`` where PEFT computes the same thing (``cat``; ``svd`` at full rank)."""
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -476,6 +477,22 @@ def test_extract_from_mappings_with_names_and_truncation():
     for path, lora in ex.items():
         assert lora.rank == 2
         assert_close(lora.delta(), _best_rank(tuned[f"{path}.weight"].T - base[f"{path}.weight"].T, 2), "tf32", path)
+
+
+def test_extract_takes_a_changed_tied_lm_head_from_a_module_as_from_a_mapping():
+    """A tuned module listed a tied weight once, under the embedding's name: its changed lm_head
+    was dropped, where the same weights as a mapping (every name) extracted it."""
+    base = tiny_gpt2()
+    assert base.lm_head.weight is base.transformer.wte.weight
+    tuned = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        tuned.lm_head.weight.add_(0.05 * torch.randn(base.lm_head.out_features, 2, generator=g)
+                                  @ torch.randn(2, base.lm_head.in_features, generator=g))
+    from_module = fa.extract_adapter(base, tuned, r=2)
+    from_mapping = fa.extract_adapter(base, dict(tuned.named_parameters(remove_duplicate=False)), r=2, model=base)
+    assert set(from_module) == set(from_mapping) == {"lm_head"}
+    assert_close(from_module["lm_head"].delta(), tuned.lm_head.weight - base.lm_head.weight, "tf32")
 
 
 def test_extract_skips_unchanged_weights_and_checks_inputs():
