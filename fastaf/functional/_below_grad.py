@@ -146,11 +146,13 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
         unwrapped = [_functorch._unwrap_for_grad(t, level) for t in wrapped]
         layer = _functorch.pop_dynamic_layer_stack()
         try:
-            # fresh leaves: the level's gradient is taken with respect to these alone
-            inner = [t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
-                     for t in unwrapped]
-            with torch.enable_grad():
-                outs = run.forward(inner)
+            # The level off the stack, the caller's torch.inference_mode is back, under which
+            # enable_grad alone records nothing (every gradient came back zero): leave it too.
+            with torch.inference_mode(False):
+                # fresh leaves: the level's gradient is taken with respect to these alone
+                inner = [_fresh_leaf(t) for t in unwrapped]
+                with torch.enable_grad():
+                    outs = run.forward(inner)
             # detached: what the level hands back at its end must not hold the inner graph (a
             # loss kept by the caller would keep every activation alive)
             plain = [t.detach() for t in outs]
@@ -182,13 +184,22 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
             # through a head outside the call): the inner backward must be differentiable in it
             create_graph = any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False
             try:
-                found = torch.autograd.grad([t for t, _ in pairs], needs, [g for _, g in pairs],
-                                            retain_graph=True, allow_unused=True, create_graph=create_graph)
+                with torch.inference_mode(False):
+                    found = torch.autograd.grad([t for t, _ in pairs], needs, [g for _, g in pairs],
+                                                retain_graph=True, allow_unused=True, create_graph=create_graph)
             finally:
                 if layer is not None:
                     _functorch.push_dynamic_layer_stack(layer)
         by_id = dict(zip(map(id, needs), found))
         return (None, None, *(by_id.get(id(t)) for t in ctx.inner))
+
+
+def _fresh_leaf(t: Tensor) -> Tensor:
+    """A leaf requiring grad with ``t``'s values (a copy of an inference tensor, which cannot
+    require grad outside inference mode); ``t`` itself where it cannot have a gradient."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return (t.clone() if t.is_inference() else t).detach().requires_grad_()
 
 
 def _module_tensors(model: nn.Module) -> Iterator[Tensor]:

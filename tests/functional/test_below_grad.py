@@ -86,6 +86,25 @@ def test_grads_equal_the_per_op_path_and_autograd_and_the_model_sees_plain_tenso
     assert_trees_close(g, autograd_grads(loss, ad))
 
 
+@pytest.mark.parametrize("made_inside", [False, True])
+def test_grads_under_inference_mode_equal_the_grads_outside(made_inside):
+    """torch.func.grad records under inference_mode; below the level the caller's mode came back
+    and the call recorded nothing: every gradient was zero, silently. An adapter made inside
+    inference_mode holds inference tensors, which cannot require grad outside it."""
+    base = tiny_llama()
+    ids = token_batch()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    ad = random_adapter(base, LLAMA)
+    g, v = torch.func.grad_and_value(loss)(ad)
+    with torch.inference_mode():
+        inside = ad.map(lambda p, l: fa.LoRA(l.A.clone(), l.B.clone(), l.scale)) if made_inside else ad
+        assert pytree.tree_leaves(inside)[0].is_inference() == made_inside
+        g1, v1 = torch.func.grad_and_value(loss)(inside)
+    torch.testing.assert_close(v1, v)
+    assert_trees_close(g1, g)
+    assert all(t.abs().sum() > 0 for t in pytree.tree_leaves(g1) if isinstance(t, torch.Tensor))
+
+
 def test_value_and_aux_hold_no_graph_and_the_inner_graph_is_freed():
     base = tiny_llama()
     ad = random_adapter(base, LLAMA)
