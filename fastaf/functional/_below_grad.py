@@ -23,6 +23,7 @@ by a bounded walk and wrapped back in place, so a loss computed from them is dif
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -148,7 +149,7 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
         try:
             # The level off the stack, the caller's torch.inference_mode is back, under which
             # enable_grad alone records nothing (every gradient came back zero): leave it too.
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), _saved_tensor_hooks_allowed():
                 # fresh leaves: the level's gradient is taken with respect to these alone
                 inner = [_fresh_leaf(t) for t in unwrapped]
                 with torch.enable_grad():
@@ -184,7 +185,7 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
             # through a head outside the call): the inner backward must be differentiable in it
             create_graph = any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False
             try:
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), _saved_tensor_hooks_allowed():
                     found = torch.autograd.grad([t for t, _ in pairs], needs, [g for _, g in pairs],
                                                 retain_graph=True, allow_unused=True, create_graph=create_graph)
             finally:
@@ -192,6 +193,22 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
                     _functorch.push_dynamic_layer_stack(layer)
         by_id = dict(zip(map(id, needs), found))
         return (None, None, *(by_id.get(id(t)) for t in ctx.inner))
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_allowed() -> Iterator[None]:
+    """Saved-tensor hooks allowed for the model run below the level: torch.func's grad forbids them
+    (its wrapped tensors), but below it every tensor is plain, and non-reentrant activation
+    checkpointing (fastaf.functional.checkpoint_context) is built on them."""
+    message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    if message is None:
+        yield
+        return
+    torch._C._autograd._saved_tensors_hooks_enable()
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_disable(message)
 
 
 def _fresh_leaf(t: Tensor) -> Tensor:

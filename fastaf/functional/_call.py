@@ -148,6 +148,26 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.
     return contextlib.nullcontext(), (modes[-1] if modes else contextlib.nullcontext())
 
 
+def _check_recompute_sees_the_adapter(model: nn.Module) -> None:
+    """Refuse a training call whose transformers gradient checkpointing would recompute a layer
+    without the adapter (no ``checkpoint_context``): torch's non-reentrant checkpoint then failed
+    in backward ("A different number of tensors was saved"), the reentrant one with fastaf's
+    unused-weight error, neither naming the fix. One walk over the modules, on a grad-enabled call."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and module.training:
+            fn = getattr(module, "_gradient_checkpointing_func", None)
+            if isinstance(fn, functools.partial) and fn.keywords.get("context_fn") is checkpoint_context:
+                continue
+            path = next(p for p, m in model.named_modules() if m is module) or "the model"
+            raise ValueError(
+                f"fastaf.functional_call: {path} ({type(module).__name__}) runs under transformers' gradient "
+                "checkpointing, whose recompute in backward would run without the adapter: enable it with fastaf's "
+                "context, model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": "
+                "False, \"context_fn\": fastaf.functional.checkpoint_context}), or use the stateful layer "
+                "(fastaf.init), whose hooks apply during recomputes"
+            )
+
+
 def functional_call(
     model: nn.Module,
     adapter: Adapter | Sequence[Adapter] | None,
@@ -261,6 +281,8 @@ def scoped_call(
             raise ValueError("fastaf: adapter_ids was given without an adapter (a stacked one, from fastaf.stack)")
         return run()
     compiling = torch.compiler.is_compiling()
+    if not compiling and torch.is_grad_enabled():
+        _check_recompute_sees_the_adapter(model)
     if compiling:
         # transformers' layers carry ``gradient_checkpointing`` (its model-level property warns)
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):

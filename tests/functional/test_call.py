@@ -451,6 +451,29 @@ def test_gradient_checkpointing_with_checkpoint_context():
     fa.functional_call(ckpt, ad2, (ids,), {"labels": ids}).loss.backward()
     for (path, lora), A in zip(want.items(), leaves[::2]):
         assert rel_err(A.grad, lora.A) < RTOL, path
+    # torch.func.grad too: below its level the checkpoint's saved-tensor hooks are allowed (torch.func
+    # forbids them, and refused the call: "don't yet support saved tensor hooks")
+    got = torch.func.grad(lambda a: fa.functional_call(ckpt, a, (ids,), {"labels": ids}).loss)(ad)
+    for path, lora in want.items():
+        assert rel_err(got[path].A, lora.A) < RTOL and rel_err(got[path].B, lora.B) < RTOL, path
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_without_checkpoint_context_is_refused(reentrant):
+    """Its recompute ran without the adapter: torch's CheckpointError in backward ("A different number
+    of tensors was saved"), or fastaf's unused-weight error when reentrant, neither naming the fix."""
+    base, ids = tiny_llama(layers=1), token_batch()
+    base.config.use_cache = False
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    base.train()
+    ad = random_adapter(base, ["q_proj", "v_proj"])
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    with pytest.raises(ValueError, match=r"model \(LlamaModel\) runs under transformers' gradient checkpointing.*"
+                                         r"context_fn.*fastaf.functional.checkpoint_context"):
+        torch.func.grad(loss)(ad)
+    want = fa.functional_call(base.eval(), ad, (ids,), {"labels": ids}).loss  # not recomputed in eval
+    with torch.no_grad():  # nor without grad
+        assert fa.functional_call(base.train(), ad, (ids,), {"labels": ids}).loss == want
 
 
 class _EinsumLinear(torch.nn.Linear):
