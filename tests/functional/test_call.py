@@ -458,16 +458,22 @@ def test_gradient_checkpointing_with_checkpoint_context():
         assert rel_err(got[path].A, lora.A) < RTOL and rel_err(got[path].B, lora.B) < RTOL, path
 
 
+def _checkpointed_llama(targets: list[str], **checkpointing):
+    """(one-layer tiny Llama in train mode with transformers' checkpointing on, ids, an adapter on
+    ``targets``, its loss function)."""
+    base, ids = tiny_llama(layers=1), token_batch()
+    base.config.use_cache = False
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    base.train()
+    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    return base, ids, random_adapter(base, targets), loss
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_without_checkpoint_context_is_refused(reentrant):
     """Its recompute ran without the adapter: torch's CheckpointError in backward ("A different number
     of tensors was saved"), or fastaf's unused-weight error when reentrant, neither naming the fix."""
-    base, ids = tiny_llama(layers=1), token_batch()
-    base.config.use_cache = False
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    base.train()
-    ad = random_adapter(base, ["q_proj", "v_proj"])
-    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    base, ids, ad, loss = _checkpointed_llama(["q_proj", "v_proj"], use_reentrant=reentrant)
     with pytest.raises(ValueError, match=r"model \(LlamaModel\) runs under transformers' gradient checkpointing.*"
                                          r"context_fn.*fastaf.functional.checkpoint_context"):
         torch.func.grad(loss)(ad)
@@ -988,12 +994,7 @@ def test_compiled_call_with_gradient_checkpointing_is_refused():
     """Dynamo traces each checkpointed layer apart from functional_call's mode: the layers ran
     without the adapter, silently (the loss was the base model's). Now a clear error; eager keeps
     working through checkpoint_context."""
-    base, ids = tiny_llama(layers=1), token_batch()
-    base.config.use_cache = False
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base.train()
-    ad = random_adapter(base, ["q_proj", "down_proj"])
-    loss = lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss  # noqa: E731
+    base, ids, ad, loss = _checkpointed_llama(["q_proj", "down_proj"], use_reentrant=False)
     with pytest.raises(Exception, match="gradient checkpointing on"):
         torch.compile(torch.func.grad(loss), backend="aot_eager", fullgraph=True)(ad)
     torch._dynamo.reset()
