@@ -667,7 +667,7 @@ def init(model: nn.Module) -> nn.Module:
         raise TypeError(f"fastaf.init needs an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, _ATTR, None), _Registry):
         return model  # a compiled wrapper of an inited model too: it reads the model's attributes
-    _refuse_compiled(model, "fastaf.init")
+    _refuse_wrapper(model, "fastaf.init")
     taken = [n for n in (_ATTR, *_METHODS) if hasattr(model, n)]
     if taken:
         raise ValueError(f"fastaf.init: {type(model).__name__} already has attribute(s) {taken}")
@@ -680,10 +680,18 @@ def init(model: nn.Module) -> nn.Module:
     return model
 
 
-def _refuse_compiled(model: nn.Module, caller: str) -> None:
+def _refuse_wrapper(model: nn.Module, caller: str) -> None:
     """Refuse ``torch.compile``'s wrapper (``OptimizedModule``): it forwards attribute reads to the
     model it wraps but not ``add_module``, so the registry would land on the wrapper and the
-    methods on the model, each unusable without the other."""
+    methods on the model, each unusable without the other. And DDP's (or DataParallel's): its
+    reducer holds the parameters it had when it was built, so an adapter added under it is never
+    averaged across ranks, silently."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(
+            f"{caller}: got {type(model).__name__} wrapping a {type(model.module).__name__}: it averages only the "
+            "gradients of the parameters it held when it was built, so this adapter's would differ per rank. Call "
+            "fastaf.init(model) and add the adapters before wrapping the model (or before accelerator.prepare)"
+        )
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
     if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
         raise TypeError(
@@ -744,7 +752,7 @@ def load_adapter(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_adapter needs an nn.Module, got {type(model).__name__}")
-    _refuse_compiled(model, "load_adapter")
+    _refuse_wrapper(model, "load_adapter")
     registry = getattr(model, _ATTR, None)
     existing = registry.adapters if isinstance(registry, _Registry) else {}
     if name is not None:

@@ -131,6 +131,10 @@ def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
         fa.distributed.all_reduce_grads(fa.Adapter({k: adapter[k] for k in keys}))
     except ValueError as err:
         results["order-error"] = str(err)
+    try:  # DDP averages only the parameters it was built with: an adapter added under it never would be
+        fa.init(torch.nn.parallel.DistributedDataParallel(_model(device)))
+    except TypeError as err:
+        results["ddp-init-error"] = str(err)
     # every rank saves its own adapter to one folder: rank 0's must be what every rank reads
     fa.save_adapter(results["fsdp2-autograd"] if rank == 0 else results["start"], folder, name=f"rank{rank}")
     dist.barrier()
@@ -177,6 +181,7 @@ def _check_ranks(folder, device: torch.device) -> None:
         assert "compile each block" in ranks[r]["fsdp2-traced-error"]
         _assert_close(ranks[r]["read"], ranks[0]["fsdp2-autograd"], f"rank {r} read rank 0's file")  # rank 0 wrote
         assert "ranks hold trees of different structure" in ranks[r]["order-error"], r
+        assert "got DistributedDataParallel wrapping a LlamaForCausalLM" in ranks[r]["ddp-init-error"], r
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("results")) == [
         "adapter_config.json", "adapter_model.safetensors"]
 

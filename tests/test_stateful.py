@@ -785,6 +785,23 @@ def _state(model):
     return {k: (v.clone(), v.requires_grad) for k, v in model.state_dict(keep_vars=True).items()}
 
 
+def test_init_refuses_a_data_parallel_wrapper_and_changes_nothing():
+    """DDP's reducer keeps the parameters it was built with: adapters added under it were never
+    averaged, and the ranks' gradients differed silently (a helper's gloo run). DataParallel, which
+    builds on CPU without a process group, stands in for it here; tests/test_distributed.py wraps in DDP."""
+    model = tiny_llama(layers=1)
+    wrapped = nn.DataParallel(model)
+    before = _state(model)
+    with pytest.raises(TypeError, match=r"fastaf.init: got DataParallel wrapping a LlamaForCausalLM.*before "
+                                        r"wrapping the model"):
+        fa.init(wrapped)
+    with pytest.raises(TypeError, match=r"load_adapter: got DataParallel"):
+        fa.load_adapter(wrapped, path_or_repo_id="user/never-read")
+    after = _state(model)
+    assert "fastaf" not in model._modules and not hasattr(wrapped, "add_new_adapter")
+    assert all(after[k][1] == rg and torch.equal(after[k][0], v) for k, (v, rg) in before.items())
+
+
 def test_init_refuses_a_compiled_wrapper_and_changes_nothing():
     """fastaf.init(torch.compile(model)) put the registry on the wrapper and the methods on the
     model: both unusable, and a second init refused."""
