@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._transforms import _GRAD, _entered_in_grad_mode, _functorch, _is_wrapped
+from ._transforms import _GRAD, _entered_in_grad_mode, _functorch, _is_wrapped, _level_left, level_token
 
 # Whether functional_call may run below a single grad level (benchmarks flip it for an A/B in
 # one process; the per-op path stays correct either way).
@@ -160,6 +160,7 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
         finally:
             _functorch.push_dynamic_layer_stack(layer)
         ctx.level, ctx.inner, ctx.outs = level, inner, outs  # the inner graph lives with this node
+        ctx.token = level_token(level)  # the level's while it lives: a vjp_fn may run backward after it
         ctx.set_materialize_grads(False)
         result = tuple(_functorch._wrap_for_grad(t, level) for t in plain)
         ctx.mark_non_differentiable(*(r for r, t in zip(result, outs) if not t.requires_grad))
@@ -167,23 +168,26 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        pairs = [(t, _functorch._unwrap_for_grad(g, ctx.level))
+        # torch.func.vjp's vjp_fn may run this after its level has exited, under another transform
+        # or under vmap (jacrev): the cotangents are then that transform's, and the inner graph's
+        # backward runs on them as they are, differentiable, for it to differentiate or batch
+        left = _level_left(ctx.level, ctx.token)
+        pairs = [(t, g if left else _functorch._unwrap_for_grad(g, ctx.level))
                  for t, g in zip(ctx.outs, grads) if g is not None and t.requires_grad]
-        if any(_is_wrapped(g) for _, g in pairs):
+        if not left and any(_is_wrapped(g) for _, g in pairs):
             raise NotImplementedError(
-                "fastaf.functional_call: its backward was called under vmap (torch.func.jacrev or hessian "
-                "over the call), which fastaf does not support; per-example gradients work as "
-                "torch.func.vmap(torch.func.grad(loss))"
+                "fastaf.functional_call: its backward was called under vmap inside its grad level, which fastaf "
+                "does not support; per-example gradients work as torch.func.vmap(torch.func.grad(loss)), and "
+                "torch.func.jacrev over the call works"
             )
         needs = [t for t in ctx.inner if t.requires_grad]
         found: tuple = ()
         if pairs and needs:
-            # functorch's vjp_fn runs this after its level has left the stack: nothing to pop then
-            stack = _functorch.get_interpreter_stack()
-            layer = _functorch.pop_dynamic_layer_stack() if stack and stack[-1].level() == ctx.level else None
+            layer = None if left else _functorch.pop_dynamic_layer_stack()
             # a cotangent that plain autograd records beneath the level (MAML's outer objective
             # through a head outside the call): the inner backward must be differentiable in it
-            create_graph = any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False
+            create_graph = (torch.is_grad_enabled() if left else
+                            any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False)
             try:
                 with torch.inference_mode(False), _saved_tensor_hooks_allowed():
                     found = torch.autograd.grad([t for t, _ in pairs], needs, [g for _, g in pairs],

@@ -41,8 +41,8 @@ from ..kernels._dispatch import atomics_ok
 from ..kernels.dropout_hash import element_index, hash_uniform
 from ._adapter import LoRA
 from ._transforms import (_CALL, _NO_SCOPE, _apply_single_level, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _higher_order_traced, _tangent_sum, _traced_apply,
-                          note_factors, tracked_scope)
+                          _double_backward, _functorch, _higher_order_traced, _level_left, _tangent_sum, _traced_apply,
+                          level_token, note_factors, own_level, tracked_scope)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -337,6 +337,7 @@ class _LoRALinearFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, a, b, scale, dropout_p, seed, impl = inputs
         note_factors(a, b)
+        ctx.own = own_level()
         ctx.save_for_backward(x, weight, a, b, output[1], seed)
         ctx.scale, ctx.dropout_p, ctx.impl = scale, dropout_p, impl
         ctx.call = _CALL.tracked
@@ -380,7 +381,7 @@ class _LoRALinearFn(torch.autograd.Function):
             return (None,) * 9
         needs = ctx.needs_input_grad
         operands = (dy, x, weight, a, b, h, seed)
-        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call, own=ctx.own):
             # grad of grad: the reference's ops, differentiable, with h recomputed from x
             dropout_scale = _dropout_scale(x, ctx.dropout_p, seed)
             h = (x if dropout_scale is None else x * dropout_scale) @ _t(_as_dtype(a, x.dtype))
@@ -494,6 +495,7 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         cast = factors if factors[0] is not a or factors[1] is not b else ()
         ctx.save_for_backward(x, weight, a, b, h, seed, *cast)
         ctx.level, ctx.scale, ctx.dropout_p, ctx.impl = level, scale, dropout_p, impl
+        ctx.token = level_token(level)  # the level's, while it lives: a vjp_fn may run backward after it
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
 
@@ -506,9 +508,9 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         # Under a grad level functorch runs backward with create_graph; this VJP is first order
         # there unless a cotangent is tracked beneath. Plain autograd's double backward
         # (create_graph) takes the reference's ops, differentiable, with h recomputed from x.
-        double = _double_backward(ctx.level, dy)
+        double = _double_backward(ctx.level, dy, token=ctx.token)
         saved_layer = None
-        if ctx.level:
+        if ctx.level and not _level_left(ctx.level, ctx.token):
             dy = _functorch._unwrap_for_grad(dy, ctx.level)
             saved_layer = _functorch.pop_dynamic_layer_stack()
         # plain autograd runs a first-order backward with grad off already: no scope to enter

@@ -28,7 +28,8 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _tangent_sum, _traced_apply, note_factors)
+                          _double_backward, _functorch, _tangent_sum, _traced_apply, level_token, note_factors,
+                          own_level)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -208,6 +209,7 @@ class _LoRAMultiFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, a, b, ids, scale, impl = inputs
         note_factors(a, b)
+        ctx.own = own_level()
         ctx.save_for_backward(x, weight, a, b, output[1], ids)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
         ctx.call = _CALL.tracked
@@ -251,7 +253,7 @@ class _LoRAMultiFn(torch.autograd.Function):
         x, weight, a, b, h, ids = ctx.saved_tensors
         needs = ctx.needs_input_grad
         # grad of grad, or plain autograd beneath the levels
-        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call):
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, call=ctx.call, own=ctx.own):
             dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, needs[0])
         else:
             bwd = _bwd_impl if _direct_ok(dy, x, weight, a, b, h, ids) else torch.ops.fastaf.lora_multi_bwd
@@ -276,6 +278,7 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             y, h = _fwd_impl(x, weight, bias, a, b, ids, scale, impl)
         ctx.save_for_backward(x, weight, a, b, h, ids)
         ctx.level, ctx.scale, ctx.impl, ctx.has_bias = level, scale, impl, bias is not None
+        ctx.token = level_token(level)
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
 
@@ -285,8 +288,8 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, a, b, h, ids = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
-        double = _double_backward(ctx.level, dy)  # differentiable reference
-        with _below(ctx.level, dy) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, dy, token=ctx.token)  # differentiable reference
+        with _below(ctx.level, dy, token=ctx.token) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             if double:
                 dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
             else:

@@ -42,7 +42,8 @@ from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _as_dtype, _autocast, _check, _kernels, _unflatten, _use_triton,
                            _vjp_weight_bias)
 from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _double_backward,
-                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced, note_factors)
+                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced, level_token,
+                          note_factors, own_level)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class _SharedHFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, a, ranks, n, impl, *weights = inputs
         note_factors(a)
+        ctx.own = own_level()
         ctx.save_for_backward(x, a if weights else None, *weights)
         ctx.n, ctx.impl, ctx.ranks, ctx.a_dtype = n, impl, ranks, a.dtype
         ctx.set_materialize_grads(False)
@@ -191,7 +193,7 @@ class _SharedHFn(torch.autograd.Function):
         x, a, *weights = ctx.saved_tensors
         dhs, dys = grads[:len(ctx.ranks)], grads[len(ctx.ranks):]
         dh = _cat_grads(dhs, ctx.ranks, x)
-        differentiated = _differentiated(dh, factors=(dh,))  # dh carries the factors' history (A is not saved)
+        differentiated = _differentiated(dh, factors=(dh,), own=ctx.own)  # dh carries the factors' history (A is not saved)
         if differentiated:
             da = dh.T @ x
         else:
@@ -227,6 +229,7 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
             hs = h.split(ctx.ranks, dim=1)
         ctx.save_for_backward(x)  # not x2: a double backward's reshape must be in its graph
         ctx.level, ctx.n, ctx.impl = level, n, impl
+        ctx.token = level_token(level)
         ctx.set_materialize_grads(False)
         return tuple(_functorch._wrap_for_grad(t, level) for t in hs) if level else hs
 
@@ -236,8 +239,8 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         if all(d is None for d in dhs):
             return (None,) * (4 + len(dhs))
         # differentiated when any sibling's dh carries history (another's may be a constant)
-        double = _double_backward(ctx.level, *dhs)
-        with _below(ctx.level, *dhs) as dhs, (torch.enable_grad() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, *dhs, token=ctx.token)
+        with _below(ctx.level, *dhs, token=ctx.token) as dhs, (torch.enable_grad() if double else torch.no_grad()):
             x2 = _flat(x)
             dh = _cat_grads(dhs, ctx.ranks, x2)
             da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.ranks[0], ctx.impl)
@@ -258,6 +261,7 @@ class _GivenHFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, h, a, b, scale, impl, token = inputs
         note_factors(a, b)
+        ctx.own = own_level()
         ctx.save_for_backward(x, weight, h, a, b)
         ctx.scale, ctx.impl, ctx.has_bias = scale, impl, bias is not None
         ctx.set_materialize_grads(False)
@@ -269,7 +273,7 @@ class _GivenHFn(torch.autograd.Function):
         x, weight, h, a, b = ctx.saved_tensors
         needs = ctx.needs_input_grad
         post = False
-        if _differentiated(dy, factors=(a, b), weight=weight, x=x):
+        if _differentiated(dy, factors=(a, b), weight=weight, x=x, own=ctx.own):
             dx, dh, db = reference_given_h_bwd(dy, weight, a, b, _recomputed_h(x, a), ctx.scale, needs[0])
         else:
             post = needs[8]  # shared_h sums dx over the siblings from their dy
@@ -293,6 +297,7 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             y = _unflatten(_given_h_fwd_impl(x2, weight, bias, h, b, scale, impl), x)
         ctx.save_for_backward(x, weight, h, a, b)  # not x2: a double backward's reshape must be in its graph
         ctx.level, ctx.scale, ctx.impl = level, scale, impl
+        ctx.token = level_token(level)
         ctx.set_materialize_grads(False)
         return _functorch._wrap_for_grad(y, level) if level else y
 
@@ -302,8 +307,8 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, h, a, b = ctx.saved_tensors
         need_x, need_w, need_bias, need_h, _, need_b = ctx.needs_input_grad[1:7]
-        double = _double_backward(ctx.level, dy)
-        with _below(ctx.level, dy) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
+        double = _double_backward(ctx.level, dy, token=ctx.token)
+        with _below(ctx.level, dy, token=ctx.token) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             dy2, x2 = _flat(dy), _flat(x)
             if double:
                 dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, _recomputed_h(x2, a), ctx.scale, need_x)

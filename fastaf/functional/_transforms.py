@@ -240,14 +240,22 @@ def _warn_tracked() -> None:
     )
 
 
+def own_level() -> int:
+    """The transform level a Function's ``setup_context`` runs at (the innermost; 0: none), which
+    is the level its backward belongs to: ``_differentiated``'s ``own``."""
+    stack = _functorch.get_interpreter_stack()
+    return stack[-1].level() if stack else 0
+
+
 def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor] = None, x: Optional[Tensor] = None,
-                    call: bool = False) -> bool:
+                    call: bool = False, own: Optional[int] = None) -> bool:
     """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
     is active (one level's backward runs with create_graph, which alone needs no higher order) or
     plain autograd records beneath the levels (``tracked_beneath``; ``call``: the forward ran in
     a ``tracked_call``); under plain autograd, create_graph (the engine runs a backward in grad
     mode exactly then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x
-    still depends on B.
+    still depends on B. ``own``: the Function's level (``own_level`` at its setup); a level other
+    than it on the stack differentiates the backward (without it: a second level).
 
     Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
     create_graph; the joint's first-order backward runs without), under a grad level entered in
@@ -260,20 +268,60 @@ def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor]
                 and (_op_tracked(factors, weight, (x, dy)) or _trace_tracked()))
     stack = _functorch.get_interpreter_stack()
     if stack:
-        levels = sum(i.key() in (_GRAD, _JVP) for i in stack)
-        return levels >= 2 or call or tracked_beneath(factors, weight, (x, dy))
+        if own is None:
+            higher = sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2
+        else:  # torch.func.vjp's vjp_fn runs a backward after its level has exited: every level left
+            # differentiates it (hessian, jacfwd(jacrev), jvp or grad of a vjp_fn: they came out zero)
+            higher = any(i.key() in (_GRAD, _JVP) and i.level() != own for i in stack)
+        return higher or call or tracked_beneath(factors, weight, (x, dy))
     return torch.is_grad_enabled()
 
 
-def _double_backward(level: int, *cotangents: Optional[Tensor]) -> bool:
+def _double_backward(level: int, *cotangents: Optional[Tensor], token: Optional[Tensor] = None) -> bool:
     """A single-level Function's backward must be differentiable: at level 0, plain autograd's
     create_graph (``_differentiated``); beneath grad level ``level``, a cotangent that plain
     autograd records beneath it (an outer objective through a head outside the call: functorch's
     generic rule would differentiate the backward there). Ask it with the level still on the
-    stack; compute such a backward below the level in grad mode."""
-    if not level:
-        return any(c is not None and _differentiated(c) for c in cotangents)
+    stack; compute such a backward below the level in grad mode. A backward (given its level's
+    ``token``) whose level is no longer innermost (``_level_left``) takes the differentiable ops."""
+    if not level:  # made outside every level: any grad or jvp level around its backward differentiates it
+        return any(c is not None and _differentiated(c, own=0) for c in cotangents)
+    if token is not None and _level_left(level, token):
+        return True
     return _entered_in_grad_mode() is not False and any(map(_requires_grad_beneath, cotangents))
+
+
+def _level_left(level: int, token: Optional[Tensor]) -> bool:
+    """A single-level Function's backward runs with its grad ``level`` no longer innermost:
+    torch.func.vjp's vjp_fn, called after vjp returned (at top level, under another transform, or
+    under vmap: jacrev). Its operands are then plain or another level's, and its backward must be
+    plain torch ops, which whatever transform is around differentiates or batches: unwrapping
+    and popping as if at its level asserted inside functorch, or popped the other level (a grad
+    over a vjp_fn came out wrong). functorch numbers levels by depth, so a later grad level can
+    carry the same number: ``token`` (``level_token`` at the forward) tells them apart."""
+    stack = _functorch.get_interpreter_stack()
+    return (not stack or stack[-1].level() != level or stack[-1].key() != _GRAD
+            or token is None or _functorch.is_dead_tensor_wrapper(token))
+
+
+class _Tokens(threading.local):
+    by_level: dict = {}
+
+
+_TOKENS = _Tokens()
+_PLAIN = torch.empty(0)  # made outside every level: one made under a grad level is that level's
+
+
+def level_token(level: int) -> Optional[Tensor]:
+    """A tensor wrapped at grad ``level`` while it lives (``_level_left``): one per level, made
+    again once a level of that number has exited (its wrapper then reads dead). None at 0."""
+    if not level:
+        return None
+    tokens = _TOKENS.__dict__.setdefault("by_level", {})
+    token = tokens.get(level)
+    if token is None or _functorch.is_dead_tensor_wrapper(token):
+        token = tokens[level] = _functorch._wrap_for_grad(_PLAIN, level)
+    return token
 
 
 def _tangent_sum(*terms: Optional[Tensor]) -> Optional[Tensor]:
@@ -360,10 +408,11 @@ def _apply_single_level(apply: Any, level: int, *args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _below(level: int, *tensors: Optional[Tensor]):
+def _below(level: int, *tensors: Optional[Tensor], token: Optional[Tensor] = None):
     """Yield ``tensors`` unwrapped at grad level ``level`` and run the body below that level (its
-    layer popped: new tensors come out plain), as ``_LoRALinearDirect`` does; level 0: as given."""
-    if not level:
+    layer popped: new tensors come out plain), as ``_LoRALinearDirect`` does; level 0, or in a
+    backward given its level's ``token``, a level no longer innermost (``_level_left``): as given."""
+    if not level or (token is not None and _level_left(level, token)):  # a vjp_fn after its level: as given
         yield tensors
         return
     unwrapped = tuple(None if t is None else _functorch._unwrap_for_grad(t, level) for t in tensors)

@@ -233,12 +233,35 @@ def test_an_error_inside_leaves_the_transform_stack_as_it_was():
     assert_trees_close(g, autograd_grads(lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss, ad))
 
 
-def test_jacrev_over_the_call_is_a_clear_error():
-    seq = torch.nn.Sequential(torch.nn.Linear(8, 4))
-    ad = random_adapter(seq, ["0"], r=2)
-    x = torch.randn(3, 8)
-    with pytest.raises(NotImplementedError, match="jacrev"):
-        torch.func.jacrev(lambda a: fa.functional_call(seq, a, (x,)))(ad)
+@pytest.mark.parametrize("transform", ["jacrev", "hessian", "grad of a vjp_fn made before"])
+def test_transforms_through_a_vjp_fn_over_the_call_equal_the_merged_model(transform):
+    """torch.func.vjp's vjp_fn runs the node's backward after its level exited: under vmap (jacrev, a
+    clear error before), under the outer transforms (hessian: zeros before), or under a later grad
+    level of the same number (its cotangent unwrapped and the wrong level popped: wrong before)."""
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    ad = random_adapter(seq, ["0", "2"], r=2).map(lambda p, l: fa.LoRA(l.A.double(), l.B.double(), l.scale))
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    A = ad["0"].A
+
+    def fastaf_call(a):
+        return fa.functional_call(seq, fa.Adapter({**ad, "0": fa.LoRA(a, ad["0"].B, ad["0"].scale)}), (x,))
+
+    def merged(a):
+        weights = {f"{p}.weight": seq.get_submodule(p).weight + l.scale * l.B @ (a if p == "0" else l.A)
+                   for p, l in ad.items()}
+        return torch.func.functional_call(seq, weights, (x,))
+
+    def run(f):
+        if transform == "jacrev":
+            return torch.func.jacrev(f)(A)
+        if transform == "hessian":
+            return torch.func.hessian(lambda a: f(a).tanh().sum())(A)
+        vjp_fn = torch.func.vjp(f, A)[1]
+        return torch.func.grad(lambda c: (vjp_fn(c)[0] ** 2).sum())(f(A).detach())
+
+    got, want = run(fastaf_call), run(merged)
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.gpu
