@@ -139,7 +139,12 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
         if check:
             _check_fits(path, lora, module, weight, spec, stacked)
         if id(weight) in routes:
-            raise ValueError(f"{path} and {routes[id(weight)].path} share one weight tensor; adapt only one")
+            other = routes[id(weight)].path
+            raise ValueError(
+                f"{other} and {path} share one weight tensor (tied), which fastaf adapts at every use: it cannot "
+                f"hold a LoRA per module. Untie them to adapt each ({path}.weight = "
+                f"nn.Parameter({other}.weight.detach().clone()))"
+            )
         routes[id(weight)] = Route(path, module, weight, lora, spec, name)
     link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
@@ -148,10 +153,12 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
         # a module without one: dynamo (torch 2.11) cannot trace id(None)
         route = routes.get(id(weight)) if isinstance(weight, Tensor) else None
         if route is not None and route.module is not module:
-            if check and linear_spec(module):
+            if linear_spec(module):  # compiled too: it ran with both adapted, silently
                 raise ValueError(
-                    f"{route.path} is adapted but its weight is tied to {path}, which would "
-                    "get the same LoRA; adapt both or neither"
+                    f"{route.path} is adapted, but its weight is the same tensor as {path}'s (tied), and fastaf "
+                    f"adapts a weight at every use: {path} would get the same LoRA, which PEFT does not give it. "
+                    f"Untie them to adapt {route.path} alone ({path}.weight = "
+                    f"nn.Parameter({route.path}.weight.detach().clone()))"
                 )
             route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes

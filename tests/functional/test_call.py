@@ -581,6 +581,39 @@ def test_a_tied_embedding_keeps_the_base_weight_under_compile_too():
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(ad), f(ad))
 
 
+class _TiedLinears(torch.nn.Module):
+    """Two Linear modules on one weight tensor."""
+
+    def __init__(self, k: int = 12):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(k, k), torch.nn.Linear(k, k)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.a(x) * 1.5 + torch.tanh(self.b(x))
+
+
+def test_tied_linear_weights_are_refused_compiled_too_and_untying_adapts_one():
+    """fastaf adapts a weight at every use: one LoRA on a tied Linear would reach its twin too, which
+    PEFT does not do. Eager refused it (saying "adapt both or neither", while adapting both was
+    refused as "adapt only one"); compiled, it ran with both adapted, silently."""
+    model = _TiedLinears().requires_grad_(False)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(0))
+    ad = random_adapter(model, ["a"], r=3)
+    untie = r"Untie them.*b.weight = nn.Parameter\(a.weight.detach\(\).clone\(\)\)"
+    with pytest.raises(ValueError, match="a is adapted, but its weight is the same tensor as b's.*" + untie):
+        fa.functional_call(model, ad, (x,))
+    with pytest.raises(ValueError, match="a and b share one weight tensor.*" + untie):
+        fa.functional_call(model, fa.Adapter({"a": ad["a"], "b": ad["a"]}), (x,))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a is adapted, but its weight is the same tensor as b's"):
+        torch.compile(lambda a: fa.functional_call(model, a, (x,)), backend="aot_eager", fullgraph=True)(ad)
+    model.b.weight = torch.nn.Parameter(model.a.weight.detach().clone(), requires_grad=False)  # as the error says
+    delta = ad["a"].scale * ad["a"].B @ ad["a"].A
+    want = (model.a(x) + x @ delta.T) * 1.5 + torch.tanh(model.b(x))  # PEFT's: a alone adapted
+    torch.testing.assert_close(fa.functional_call(model, ad, (x,)), want)
+
+
 def test_blocks_compiled_inside_an_eager_call_have_no_graph_break():
     """FSDP2 recipes compile each block and call the model eagerly: the eager call's sibling
     grouping (weak references, version counters) stays out of the blocks' traces, which once broke
