@@ -212,11 +212,13 @@ def _parse_config(text: bytes | None, file: Path) -> dict[str, Any]:
             )
     init = cfg.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        fix = ("LoftQ's quantized weight has no plain-LoRA form (PEFT converts PiSSA, CorDA, OLoRA and LoRA-GA only)"
+               if init.lower() == "loftq" else "convert the adapter to a plain LoRA first with PEFT: "
+               "model.save_pretrained(dir, path_initial_model_for_weight_conversion=...)")
         raise ValueError(
             f"read_adapter: {file}: init_lora_weights={init!r} trained the factors on a base weight that PEFT "
             "rewrites at load (W minus the initial B @ A, or a quantized W); fastaf adapts the model's own weight, "
-            "so the result would be wrong. Convert the adapter to a plain LoRA first with PEFT: "
-            "model.save_pretrained(dir, path_initial_model_for_weight_conversion=...)"
+            f"so the result would be wrong: {fix}"
         )
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"read_adapter: {file}: bias={cfg['bias']!r} (trained base biases) is not supported")

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._transforms import _GRAD, _entered_in_grad_mode, _functorch, _is_wrapped, _level_left, level_token
+from ._transforms import (_GRAD, _entered_in_grad_mode, _functorch, _is_wrapped, _level_left, differentiated_around,
+                          level_token)
 
 # Whether functional_call may run below a single grad level (benchmarks flip it for an A/B in
 # one process; the per-op path stays correct either way).
@@ -174,19 +175,13 @@ class _BelowGrad(torch.autograd.function._SingleLevelFunction):
         left = _level_left(ctx.level, ctx.token)
         pairs = [(t, g if left else _functorch._unwrap_for_grad(g, ctx.level))
                  for t, g in zip(ctx.outs, grads) if g is not None and t.requires_grad]
-        if not left and any(_is_wrapped(g) for _, g in pairs):
-            raise NotImplementedError(
-                "fastaf.functional_call: its backward was called under vmap inside its grad level, which fastaf "
-                "does not support; per-example gradients work as torch.func.vmap(torch.func.grad(loss)), and "
-                "torch.func.jacrev over the call works"
-            )
         needs = [t for t in ctx.inner if t.requires_grad]
         found: tuple = ()
         if pairs and needs:
             layer = None if left else _functorch.pop_dynamic_layer_stack()
             # a cotangent that plain autograd records beneath the level (MAML's outer objective
             # through a head outside the call): the inner backward must be differentiable in it
-            create_graph = (torch.is_grad_enabled() if left else
+            create_graph = (differentiated_around(*(g for _, g in pairs)) if left else
                             any(g.requires_grad for _, g in pairs) and _entered_in_grad_mode() is not False)
             try:
                 with torch.inference_mode(False), _saved_tensor_hooks_allowed():

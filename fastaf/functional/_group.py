@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..kernels._dispatch import atomics_ok
 from ._lora_linear import _check_use, _use_triton, reference_bwd
-from ._transforms import _differentiated, _direct_level
+from ._transforms import _direct_level, _double_backward
 from ._siblings import _flat
 
 GROUP = True
@@ -91,7 +91,7 @@ class _LoRAGroupDirect(torch.autograd.function._SingleLevelFunction):
         need_x = ctx.needs_input_grad[4]
         dys2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
         kernels_ok = atomics_ok(ctx.impl, lambda: f"the grouped siblings' backward of {', '.join(ctx.paths)}")
-        if not kernels_ok or any(d is not None and _differentiated(d) for d in dys2):
+        if not kernels_ok or _double_backward(0, *dys2):  # made at level 0, as _LoRALinearDirect's
             dx, das, dbs = _reference_bwd(dys2, x2, weights, a, b, ctx.scales, need_x)
         else:
             dx, das, dbs = _group_kernels().group_bwd(dys2, x2, weights, a, b, h, ctx.scales, need_x, graphed=True)

@@ -508,9 +508,10 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
         # Under a grad level functorch runs backward with create_graph; this VJP is first order
         # there unless a cotangent is tracked beneath. Plain autograd's double backward
         # (create_graph) takes the reference's ops, differentiable, with h recomputed from x.
-        double = _double_backward(ctx.level, dy, token=ctx.token)
+        left = _level_left(ctx.level, ctx.token)  # a vjp_fn's backward after its level
+        double = _double_backward(ctx.level, dy, left=left)
         saved_layer = None
-        if ctx.level and not _level_left(ctx.level, ctx.token):
+        if ctx.level and not left:
             dy = _functorch._unwrap_for_grad(dy, ctx.level)
             saved_layer = _functorch.pop_dynamic_layer_stack()
         # plain autograd runs a first-order backward with grad off already: no scope to enter

@@ -28,8 +28,8 @@ from ..kernels._dispatch import atomics_ok
 from ._adapter import LoRA
 from ._lora_linear import IMPLS, _autocast
 from ._transforms import (_CALL, _VMAP, _apply_single_level, _below, _differentiated, _direct_level, _direct_ok,
-                          _double_backward, _functorch, _tangent_sum, _traced_apply, level_token, note_factors,
-                          own_level)
+                          _double_backward, _functorch, _tangent_sum, _traced_apply, _level_left, level_token,
+                          note_factors, own_level)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -288,8 +288,9 @@ class _LoRAMultiDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, a, b, h, ids = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[1:6]
-        double = _double_backward(ctx.level, dy, token=ctx.token)  # differentiable reference
-        with _below(ctx.level, dy, token=ctx.token) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
+        left = _level_left(ctx.level, ctx.token)  # a vjp_fn's backward after its level
+        double = _double_backward(ctx.level, dy, left=left)  # differentiable reference
+        with _below(ctx.level, dy, left=left) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             if double:
                 dx, da, db = _differentiable_bwd(dy, x, weight, a, b, ids, ctx.scale, need_x)
             else:

@@ -142,8 +142,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             other = routes[id(weight)].path
             raise ValueError(
                 f"{other} and {path} share one weight tensor (tied), which fastaf adapts at every use: it cannot "
-                f"hold a LoRA per module. Untie them to adapt each ({path}.weight = "
-                f"nn.Parameter({other}.weight.detach().clone()))"
+                f"hold a LoRA per module. Untie them to adapt each: {_untie(path, other)}"
             )
         routes[id(weight)] = Route(path, module, weight, lora, spec, name)
     link_siblings(routes.values())
@@ -157,12 +156,17 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
                 raise ValueError(
                     f"{route.path} is adapted, but its weight is the same tensor as {path}'s (tied), and fastaf "
                     f"adapts a weight at every use: {path} would get the same LoRA, which PEFT does not give it. "
-                    f"Untie them to adapt {route.path} alone ({path}.weight = "
-                    f"nn.Parameter({route.path}.weight.detach().clone()))"
+                    f"Untie them to adapt {route.path} alone: {_untie(path, route.path)}"
                 )
             route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes
 
+
+
+def _untie(path: str, other: str) -> str:
+    """The line that gives module ``path`` a weight of its own, a copy of module ``other``'s."""
+    return (f'model.get_submodule("{path}").weight = '
+            f'nn.Parameter(model.get_submodule("{other}").weight.detach().clone())')
 
 
 def link_siblings(routes: Iterable[Route]) -> None:

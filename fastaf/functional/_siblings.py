@@ -42,8 +42,8 @@ from ._adapter import LoRA
 from ._lora_linear import (_OP_DTYPES, _as_dtype, _autocast, _check, _kernels, _unflatten, _use_triton,
                            _vjp_weight_bias)
 from ._transforms import (_apply_single_level, _below, _differentiated, _direct_level, _direct_ok, _double_backward,
-                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced, level_token,
-                          note_factors, own_level)
+                          _functorch, _higher_order_traced, _traced_apply, _vmapped_traced, _level_left,
+                          level_token, note_factors, own_level)
 
 # ---- 1. reference ------------------------------------------------------------------------------
 
@@ -193,7 +193,8 @@ class _SharedHFn(torch.autograd.Function):
         x, a, *weights = ctx.saved_tensors
         dhs, dys = grads[:len(ctx.ranks)], grads[len(ctx.ranks):]
         dh = _cat_grads(dhs, ctx.ranks, x)
-        differentiated = _differentiated(dh, factors=(dh,), own=ctx.own)  # dh carries the factors' history (A is not saved)
+        # dh carries the factors' history (A is not saved)
+        differentiated = _differentiated(dh, factors=(dh,), own=ctx.own)
         if differentiated:
             da = dh.T @ x
         else:
@@ -239,8 +240,9 @@ class _SharedHDirect(torch.autograd.function._SingleLevelFunction):
         if all(d is None for d in dhs):
             return (None,) * (4 + len(dhs))
         # differentiated when any sibling's dh carries history (another's may be a constant)
-        double = _double_backward(ctx.level, *dhs, token=ctx.token)
-        with _below(ctx.level, *dhs, token=ctx.token) as dhs, (torch.enable_grad() if double else torch.no_grad()):
+        left = _level_left(ctx.level, ctx.token)  # a vjp_fn's backward after its level
+        double = _double_backward(ctx.level, *dhs, left=left)
+        with _below(ctx.level, *dhs, left=left) as dhs, (torch.enable_grad() if double else torch.no_grad()):
             x2 = _flat(x)
             dh = _cat_grads(dhs, ctx.ranks, x2)
             da = dh.T @ x2 if double else _shared_da_impl(dh, x2, ctx.n, ctx.ranks[0], ctx.impl)
@@ -307,8 +309,9 @@ class _GivenHDirect(torch.autograd.function._SingleLevelFunction):
             return (None,) * 9
         x, weight, h, a, b = ctx.saved_tensors
         need_x, need_w, need_bias, need_h, _, need_b = ctx.needs_input_grad[1:7]
-        double = _double_backward(ctx.level, dy, token=ctx.token)
-        with _below(ctx.level, dy, token=ctx.token) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
+        left = _level_left(ctx.level, ctx.token)  # a vjp_fn's backward after its level
+        double = _double_backward(ctx.level, dy, left=left)
+        with _below(ctx.level, dy, left=left) as (dy,), (torch.enable_grad() if double else torch.no_grad()):
             dy2, x2 = _flat(dy), _flat(x)
             if double:
                 dx, dh, db = reference_given_h_bwd(dy2, weight, a, b, _recomputed_h(x2, a), ctx.scale, need_x)

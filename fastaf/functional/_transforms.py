@@ -240,22 +240,29 @@ def _warn_tracked() -> None:
     )
 
 
-def own_level() -> int:
+def own_level() -> tuple[int, Optional[Tensor]]:
     """The transform level a Function's ``setup_context`` runs at (the innermost; 0: none), which
-    is the level its backward belongs to: ``_differentiated``'s ``own``."""
+    is the level its backward belongs to, with its ``level_token`` (a grad level's, eagerly):
+    ``_differentiated``'s ``own``."""
     stack = _functorch.get_interpreter_stack()
-    return stack[-1].level() if stack else 0
+    if not stack:
+        return 0, None
+    top = stack[-1]
+    token = level_token(top.level()) if top.key() == _GRAD and not torch.compiler.is_compiling() else None
+    return top.level(), token
 
 
 def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor] = None, x: Optional[Tensor] = None,
-                    call: bool = False, own: Optional[int] = None) -> bool:
+                    call: bool = False, own: Optional[tuple[int, Optional[Tensor]]] = None) -> bool:
     """The backward itself is being differentiated: under torch.func, a second grad (or jvp) level
     is active (one level's backward runs with create_graph, which alone needs no higher order) or
     plain autograd records beneath the levels (``tracked_beneath``; ``call``: the forward ran in
     a ``tracked_call``); under plain autograd, create_graph (the engine runs a backward in grad
     mode exactly then). A constant cotangent counts too: from ``y.sum()``, dA = s * (dy @ B).T @ x
-    still depends on B. ``own``: the Function's level (``own_level`` at its setup); a level other
-    than it on the stack differentiates the backward (without it: a second level).
+    still depends on B. ``own``: the Function's level and token (``own_level`` at its setup); any
+    grad or jvp level on the stack but that one, while it lives, differentiates the backward
+    (torch.func.vjp's vjp_fn runs it after the level exited; functorch numbers levels by depth,
+    so a later level can carry its number). Without ``own``: a second level.
 
     Inside ``torch.compile``: a backward traced in grad mode (a grad level's, which runs with
     create_graph; the joint's first-order backward runs without), under a grad level entered in
@@ -270,24 +277,40 @@ def _differentiated(dy: Tensor, *, factors: tuple = (), weight: Optional[Tensor]
     if stack:
         if own is None:
             higher = sum(i.key() in (_GRAD, _JVP) for i in stack) >= 2
-        else:  # torch.func.vjp's vjp_fn runs a backward after its level has exited: every level left
-            # differentiates it (hessian, jacfwd(jacrev), jvp or grad of a vjp_fn: they came out zero)
-            higher = any(i.key() in (_GRAD, _JVP) and i.level() != own for i in stack)
+        else:  # hessian, jacfwd(jacrev), jvp or grad of a vjp_fn: their second derivatives came out zero
+            level, token = own
+            alive = level if token is None or not _functorch.is_dead_tensor_wrapper(token) else None
+            higher = any(i.key() in (_GRAD, _JVP) and i.level() != alive for i in stack)
         return higher or call or tracked_beneath(factors, weight, (x, dy))
     return torch.is_grad_enabled()
 
 
-def _double_backward(level: int, *cotangents: Optional[Tensor], token: Optional[Tensor] = None) -> bool:
-    """A single-level Function's backward must be differentiable: at level 0, plain autograd's
-    create_graph (``_differentiated``); beneath grad level ``level``, a cotangent that plain
-    autograd records beneath it (an outer objective through a head outside the call: functorch's
-    generic rule would differentiate the backward there). Ask it with the level still on the
-    stack; compute such a backward below the level in grad mode. A backward (given its level's
-    ``token``) whose level is no longer innermost (``_level_left``) takes the differentiable ops."""
-    if not level:  # made outside every level: any grad or jvp level around its backward differentiates it
-        return any(c is not None and _differentiated(c, own=0) for c in cotangents)
-    if token is not None and _level_left(level, token):
-        return True
+def _transformed_backward(*cotangents: Optional[Tensor]) -> bool:
+    """A backward whose own level has gone (``_level_left``) runs under what is around it: it must
+    be differentiable where a grad or jvp level is on the stack or a cotangent requires grad
+    beneath, and batchable where a cotangent is another level's (vmap: jacrev). Otherwise (a
+    vjp_fn called at top level) it is an ordinary first-order backward."""
+    return differentiated_around(*cotangents) or any(c is not None and _is_wrapped(c) for c in cotangents)
+
+
+def differentiated_around(*cotangents: Optional[Tensor]) -> bool:
+    """A grad or jvp level is on the stack, or a cotangent requires grad beneath every level."""
+    stack = _functorch.get_interpreter_stack() or ()
+    return any(i.key() in (_GRAD, _JVP) for i in stack) or any(map(_requires_grad_beneath, cotangents))
+
+
+def _double_backward(level: int, *cotangents: Optional[Tensor], left: bool = False) -> bool:
+    """A single-level Function's backward must be differentiable (or batchable: plain torch ops):
+    at level 0, plain autograd's create_graph, any grad or jvp level around it, or a cotangent of
+    another level's (a vmap's, under a vjp_fn's backward); beneath grad level ``level``, a
+    cotangent that plain autograd records beneath it (an outer objective through a head outside
+    the call: functorch's generic rule would differentiate the backward there). Ask it with the
+    level still on the stack; compute such a backward below the level in grad mode. ``left``: the
+    level has gone (``_level_left``), ``_transformed_backward`` decides."""
+    if not level:  # made outside every level
+        return any(c is not None and (_is_wrapped(c) or _differentiated(c, own=(0, None))) for c in cotangents)
+    if left:
+        return _transformed_backward(*cotangents)
     return _entered_in_grad_mode() is not False and any(map(_requires_grad_beneath, cotangents))
 
 
@@ -299,13 +322,16 @@ def _level_left(level: int, token: Optional[Tensor]) -> bool:
     and popping as if at its level asserted inside functorch, or popped the other level (a grad
     over a vjp_fn came out wrong). functorch numbers levels by depth, so a later grad level can
     carry the same number: ``token`` (``level_token`` at the forward) tells them apart."""
+    if not level:
+        return False
     stack = _functorch.get_interpreter_stack()
     return (not stack or stack[-1].level() != level or stack[-1].key() != _GRAD
             or token is None or _functorch.is_dead_tensor_wrapper(token))
 
 
 class _Tokens(threading.local):
-    by_level: dict = {}
+    def __init__(self) -> None:
+        self.by_level: dict[int, Tensor] = {}
 
 
 _TOKENS = _Tokens()
@@ -317,7 +343,7 @@ def level_token(level: int) -> Optional[Tensor]:
     again once a level of that number has exited (its wrapper then reads dead). None at 0."""
     if not level:
         return None
-    tokens = _TOKENS.__dict__.setdefault("by_level", {})
+    tokens = _TOKENS.by_level
     token = tokens.get(level)
     if token is None or _functorch.is_dead_tensor_wrapper(token):
         token = tokens[level] = _functorch._wrap_for_grad(_PLAIN, level)
@@ -408,11 +434,11 @@ def _apply_single_level(apply: Any, level: int, *args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _below(level: int, *tensors: Optional[Tensor], token: Optional[Tensor] = None):
+def _below(level: int, *tensors: Optional[Tensor], left: bool = False):
     """Yield ``tensors`` unwrapped at grad level ``level`` and run the body below that level (its
     layer popped: new tensors come out plain), as ``_LoRALinearDirect`` does; level 0, or in a
-    backward given its level's ``token``, a level no longer innermost (``_level_left``): as given."""
-    if not level or (token is not None and _level_left(level, token)):  # a vjp_fn after its level: as given
+    backward whose level has gone (``left``: ``_level_left``), as given."""
+    if not level or left:  # a vjp_fn's backward after its level: as given
         yield tensors
         return
     unwrapped = tuple(None if t is None else _functorch._unwrap_for_grad(t, level) for t in tensors)
