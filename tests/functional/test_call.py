@@ -603,13 +603,15 @@ def test_tied_linear_weights_are_refused_compiled_too_and_untying_adapts_one():
     model = _TiedLinears().requires_grad_(False)
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(0))
     ad = random_adapter(model, ["a"], r=3)
-    untie = re.escape('model.get_submodule("b").weight = nn.Parameter(model.get_submodule("a").weight.detach().clone())')
+    untie = re.escape('model.get_submodule("b").weight = '
+                      'nn.Parameter(model.get_submodule("a").weight.detach().clone())')
     with pytest.raises(ValueError, match="a is adapted, but its weight is the same tensor as b's.*" + untie):
         fa.functional_call(model, ad, (x,))
     with pytest.raises(ValueError, match="a and b share one weight tensor.*" + untie):
         fa.functional_call(model, fa.Adapter({"a": ad["a"], "b": ad["a"]}), (x,))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="a is adapted, but its weight is the same tensor as b"):  # dynamo escapes the quote
+    # dynamo's message escapes the quote of "b's"
+    with pytest.raises(Exception, match="a is adapted, but its weight is the same tensor as b"):
         torch.compile(lambda a: fa.functional_call(model, a, (x,)), backend="aot_eager", fullgraph=True)(ad)
     model.b.weight = torch.nn.Parameter(model.a.weight.detach().clone(), requires_grad=False)  # as the error says
     delta = ad["a"].scale * ad["a"].B @ ad["a"].A
