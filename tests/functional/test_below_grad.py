@@ -234,22 +234,26 @@ def test_an_error_inside_leaves_the_transform_stack_as_it_was():
     assert_trees_close(g, autograd_grads(lambda a: fa.functional_call(base, a, (ids,), {"labels": ids}).loss, ad))
 
 
-def _two_layers(dtype: torch.dtype):
-    """(Linear-tanh-Linear in ``dtype``, an adapter on both Linears, an input)."""
-    seq = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
-    ad = random_adapter(seq, ["0", "2"], r=2).map(lambda p, l: fa.LoRA(l.A.to(dtype), l.B.to(dtype), l.scale))
-    return seq, ad, torch.randn(5, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+def _two_layers(dtype: torch.dtype, device: str = "cpu"):
+    """(Linear-tanh-Linear in ``dtype``, an adapter on both Linears, an input), on ``device``."""
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(device, dtype)
+    ad = random_adapter(seq, ["0", "2"], r=2).map(
+        lambda p, l: fa.LoRA(l.A.to(device, dtype), l.B.to(device, dtype), l.scale))
+    return seq, ad, torch.randn(5, 8, generator=torch.Generator().manual_seed(0)).to(device, dtype)
 
 
-@pytest.mark.parametrize("impl,dtype", [("torch", torch.float64),
-                                        pytest.param("triton", torch.float32, marks=needs_interpreter)])
+@pytest.mark.parametrize("impl,dtype,device", [
+    ("torch", torch.float64, "cpu"),
+    pytest.param("triton", torch.float32, "cpu", marks=needs_interpreter),
+    pytest.param("triton", torch.float32, "cuda", marks=pytest.mark.gpu),
+])
 @pytest.mark.parametrize("transform", ["jacrev", "hessian", "grad of a vjp_fn made before"])
-def test_transforms_through_a_vjp_fn_over_the_call_equal_the_merged_model(transform, impl, dtype):
+def test_transforms_through_a_vjp_fn_over_the_call_equal_the_merged_model(transform, impl, dtype, device):
     """torch.func.vjp's vjp_fn runs the node's backward after its level exited: under vmap (jacrev, a
     clear error before; then the kernels got vmap's batched cotangent), under the outer transforms
     (hessian: zeros before), or under a later grad level of the same number (its cotangent unwrapped
     and the wrong level popped: wrong before)."""
-    seq, ad, x = _two_layers(dtype)
+    seq, ad, x = _two_layers(dtype, device)
     A = ad["0"].A
 
     def fastaf_call(a):

@@ -368,16 +368,20 @@ VJP_FN_TRANSFORMS = {  # name -> transform of f (A -> (M, N)), each built on tor
 }
 
 
-@pytest.mark.parametrize("impl,dtype", [("torch", torch.float64), ("torch", torch.float32),
-                                        pytest.param("triton", torch.float32, marks=needs_interpreter)])
+@pytest.mark.parametrize("impl,dtype,device", [
+    ("torch", torch.float64, "cpu"), ("torch", torch.float32, "cpu"),
+    pytest.param("triton", torch.float32, "cpu", marks=needs_interpreter),
+    pytest.param("triton", torch.float32, "cuda", marks=pytest.mark.gpu),
+])
 @pytest.mark.parametrize("transform", sorted(VJP_FN_TRANSFORMS))
-def test_transforms_through_a_vjp_fn_equal_the_formulas(transform, impl, dtype):
+def test_transforms_through_a_vjp_fn_equal_the_formulas(transform, impl, dtype, device):
     """vjp_fn runs the backward after vjp's level has left the stack. The second derivatives came out
     zero (taken as first order), a vjp_fn at top level asserted inside functorch, jacrev failed in
     functorch's plumbing (and on the kernels, fed vmap's batched cotangent), and a grad over a vjp_fn
     made before popped the grad's own level, or, on the generic path, read as first order (wrong)."""
     x, w, b, lo = make(M=3, K=6, N=5, r=2, lead=(), dtype=dtype)
-    v = torch.randn(lo.A.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x, w, b, lo = x.to(device), w.to(device), b.to(device), fa.LoRA(lo.A.to(device), lo.B.to(device), lo.scale)
+    v = torch.randn(lo.A.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     op = lambda A: lora_linear(x, w, b, fa.LoRA(A, lo.B, lo.scale), impl=impl)  # noqa: E731
     formula = lambda A: x @ w.T + b + lo.scale * (x @ A.T) @ lo.B.T  # noqa: E731
     got, want = (VJP_FN_TRANSFORMS[transform](f, lo.A, v) for f in (op, formula))
