@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ._adapter import Adapter, LoRA
 from ._modules import LinearSpec, ParamSpec, linear_spec, param_spec
+from ._transforms import _VMAP, _functorch
 
 
 @dataclasses.dataclass
@@ -69,6 +70,11 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
                 f"adapter key {path!r} is a parameter of {where}, not a module: a parameter takes an expert "
                 f"LoRA (experts=True, A (E, r, in), B (E, out, r)); got A {tuple(lora.A.shape)}"
             )
+        if f"_orig_mod.{path}" in modules:  # torch.compile's wrapper (OptimizedModule) of the model
+            raise ValueError(
+                f"adapter path {path!r} is not a module of {where}, torch.compile's wrapper: pass the model it wraps, "
+                "compiled._orig_mod, or compile the function that calls fastaf.functional_call"
+            )
         close = [p for p in modules if p.endswith(path.rsplit(".", 1)[-1])][:3]
         raise ValueError(
             f"adapter path {path!r} is not a module of {where}" + (f" (similar: {close})" if close else "")
@@ -84,6 +90,12 @@ def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: 
                 stacked: bool) -> None:
     """The LoRA's stacking, shapes and device against the weight it adapts."""
     if lora.stacked != stacked:
+        if stacked and any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
+            # vmap over the stack took its leading axis away: "needs a stacked adapter" misled
+            raise NotImplementedError(
+                f"{path}: adapter_ids does not run under torch.func.vmap (A {tuple(lora.A.shape)} as vmap hands it "
+                "over): vmap over the stack without adapter_ids (each vmapped call then takes one adapter), or "
+                "pass adapter_ids without vmap")
         raise ValueError(
             f"{path}: stacked LoRA A {tuple(lora.A.shape)} without adapter_ids: pass "
             "adapter_ids=, or call functional_call inside torch.func.vmap over the stack"
@@ -104,10 +116,11 @@ def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: 
                 f"B ({spec.num_experts}, {spec.out_features}, r)"
             )
     elif (lora.in_features, lora.out_features) != (spec.in_features, spec.out_features):
+        n = "n, " if lora.stacked else ""  # a stack's leading axis, in what is expected too
         raise ValueError(
             f"{path}: LoRA A {tuple(lora.A.shape)} / B {tuple(lora.B.shape)} does not fit "
             f"{type(module).__name__}({spec.in_features} -> {spec.out_features}): expected "
-            f"A (r, {spec.in_features}) and B ({spec.out_features}, r)"
+            f"A ({n}r, {spec.in_features}) and B ({n}{spec.out_features}, r)"
         )
     if lora.A.device != weight.device:
         raise ValueError(

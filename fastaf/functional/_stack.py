@@ -9,7 +9,7 @@ the same way, to A (n, E, r_max, in) and B (n, E, out, r_max).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,10 @@ def stack(adapters: Sequence[Adapter]) -> Adapter:
     own factors through a stack made again each step. Give the adapters one scale to train the
     stack's tensors as they train alone.
     """
+    if isinstance(adapters, Mapping):  # an Adapter, or a dict of named ones: list() would walk the keys
+        hint = ("wrap a single adapter in a list" if isinstance(adapters, Adapter) else
+                "pass its adapters as a list, list(adapters.values()), in the order adapter_ids will name them")
+        raise TypeError(f"fastaf.stack takes a list of Adapters, got {type(adapters).__name__} ({hint})")
     adapters = list(adapters)
     if not adapters:
         raise ValueError("fastaf.stack needs at least one adapter")

@@ -196,3 +196,8 @@ def test_stack_errors():
         fa.stack([adapter(), fa.Adapter({"l0": lora(k=7)})])
     with pytest.raises(ValueError, match="already stacked"):
         fa.stack([fa.stack([adapter()])])
+    # list() walked an Adapter's (or a dict's) keys: "item 0 is str, not fastaf.Adapter"
+    with pytest.raises(TypeError, match=r"got Adapter \(wrap a single adapter in a list\)"):
+        fa.stack(adapter())
+    with pytest.raises(TypeError, match=r"got dict \(pass its adapters as a list, list\(adapters.values\(\)\)"):
+        fa.stack({"sql": adapter(), "chat": adapter()})

@@ -83,6 +83,18 @@ def test_bad_ids_and_stacks_are_errors_before_anything_runs():
     for adapter, adapter_ids, error, match in cases:
         with pytest.raises(error, match=match):
             fa.functional_call(model, adapter, (ids,), adapter_ids=adapter_ids)
+    # vmap over the stack hands each call one slot: the message said a stack was needed
+    with pytest.raises(NotImplementedError, match=r"adapter_ids does not run under torch.func.vmap \(A \(4, 32\)"):
+        torch.func.vmap(lambda a: fa.functional_call(model, a, (ids,), adapter_ids=torch.tensor([0, 1])))(stack)
+    q = "model.layers.0.self_attn.q_proj"  # a stack made for a model 48 wide
+    other = fa.stack([fa.Adapter({q: fa.LoRA(torch.zeros(4, 48), torch.zeros(48, 4))})] * 2)
+    with pytest.raises(ValueError, match=r"does not fit Linear\(32 -> 32\): expected A \(n, r, 32\) and "
+                                         r"B \(n, 32, r\)"):
+        fa.functional_call(model, other, (ids,), adapter_ids=torch.tensor([0, 1]))
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match=r"OptimizedModule, torch.compile's wrapper: pass the model it wraps, "
+                                         r"compiled._orig_mod"):
+        fa.functional_call(compiled, stack, (ids,), adapter_ids=torch.tensor([0, 1]))
 
 
 def test_generate_decodes_each_row_with_its_adapter_and_leaves_the_model():
