@@ -517,6 +517,12 @@ def _register(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig 
     registry = _registry(model)
     with _without_registry(model) as base:
         _check_registrable(base, name, adapter, registry.adapters)
+    _add_checked(model, name, adapter, config)
+
+
+def _add_checked(model: nn.Module, name: str, adapter: Adapter, config: LoRAConfig | None) -> None:
+    """Add ``adapter`` as ``name``, ``_check_registrable`` having passed."""
+    registry = _registry(model)
     registry.adapters[name] = _AdapterSlot(adapter, config)
     with _without_registry(model) as base:
         registry.watch(base)  # its modules read the active adapter from now on (``leave_module``)
@@ -772,7 +778,7 @@ def load_adapter(
     with scope() as base:
         _check_registrable(base, name, adapter, existing)  # before init changes the model
     init(model)
-    _register(model, name, adapter, None)
+    _add_checked(model, name, adapter, None)
     return name
 
 

@@ -64,6 +64,15 @@ def check_rows(ids: Tensor | tuple[Tensor, ...], rows: int, where: str, *, flatt
     return ids
 
 
+def refuse_ids_under_vmap(where: str, what: str) -> None:
+    """adapter_ids under torch.func.vmap is an error naming the way out; ``what``: the operand
+    that shows it (an input, or a stack's slot as vmap hands it over)."""
+    if any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
+        raise NotImplementedError(
+            f"{where}: adapter_ids does not run under torch.func.vmap ({what}): vmap over the stack "
+            "without adapter_ids (each vmapped call then takes one adapter), or pass adapter_ids without vmap")
+
+
 def _pick_rows(candidates: tuple[Tensor, ...], rows: int, where: str, flattened: bool) -> Tensor:
     """``check_rows`` over candidate ids, shortest first: the one with ``rows`` entries, else,
     ``flattened``, the longest that divides ``rows`` (generate's decoding batch, over the rows as
@@ -335,10 +344,8 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     """
     if impl not in IMPLS:
         raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
-    if not torch.compiler.is_compiling() and any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
-        raise NotImplementedError(
-            f"{where}: adapter_ids does not run under torch.func.vmap (x {tuple(x.shape)}): vmap over the stack "
-            "without adapter_ids (each vmapped call then takes one adapter), or pass adapter_ids without vmap")
+    if not torch.compiler.is_compiling():
+        refuse_ids_under_vmap(where, f"x {tuple(x.shape)}")
     # the kernels read ids[seg] at unit stride, on x's device
     ids = ids.to(x.device, non_blocking=True).contiguous()
     x, weight, bias = _autocast(x, weight, bias)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ._adapter import Adapter, LoRA
 from ._modules import LinearSpec, ParamSpec, linear_spec, param_spec
-from ._transforms import _VMAP, _functorch
+from ._multi import refuse_ids_under_vmap
 
 
 @dataclasses.dataclass
@@ -90,12 +90,8 @@ def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: 
                 stacked: bool) -> None:
     """The LoRA's stacking, shapes and device against the weight it adapts."""
     if lora.stacked != stacked:
-        if stacked and any(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ()):
-            # vmap over the stack took its leading axis away: "needs a stacked adapter" misled
-            raise NotImplementedError(
-                f"{path}: adapter_ids does not run under torch.func.vmap (A {tuple(lora.A.shape)} as vmap hands it "
-                "over): vmap over the stack without adapter_ids (each vmapped call then takes one adapter), or "
-                "pass adapter_ids without vmap")
+        if stacked:  # vmap over the stack took its leading axis away: "needs a stacked adapter" misled
+            refuse_ids_under_vmap(path, f"A {tuple(lora.A.shape)} as vmap hands it over")
         raise ValueError(
             f"{path}: stacked LoRA A {tuple(lora.A.shape)} without adapter_ids: pass "
             "adapter_ids=, or call functional_call inside torch.func.vmap over the stack"
