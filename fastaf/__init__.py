@@ -6,7 +6,7 @@ I/O (PEFT's layout) sit on top of the functional core.
 """
 from . import distributed, functional
 from ._generate import generate
-from ._io import read_adapter, save_adapter
+from .io import read_adapter, save_adapter
 from ._stateful import init, load_adapter, push_adapter_to_hub, save_adapter_to_local_dir
 from .functional import (
     Adapter,

@@ -6,7 +6,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import Adapter, scoped_call
+from ._adapter import Adapter
+from ._layouts import check_module
+from .intercept import scoped_call
 
 
 def generate(
@@ -37,6 +39,7 @@ def generate(
     Returns:
         What ``model.generate`` returns.
     """
+    check_module(model, "fastaf.generate")
     if input_ids is not None:
         generate_kwargs["input_ids"] = input_ids
     batch = _batch(generate_kwargs)

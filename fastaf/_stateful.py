@@ -26,7 +26,7 @@ A thin layer over the functional core for code that expects a stateful model (HF
 - A module replaced after activation (``resize_token_embeddings``' new lm_head) would run
   without its LoRA: the model's call refuses it, one dict lookup per targeted module.
 - Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
-  ``functional_call`` (``functional._group``): the modes share the active adapter's routes,
+  ``functional_call`` (``intercept.groups``): the modes share the active adapter's routes,
   kept between calls, and each thread's grouping over them (``_Grouping``). Hooks on the model
   mark where a call of it starts and ends (held outputs go with the call). Not inside a
   non-reentrant activation checkpoint, whose recompute (on autograd's device thread, maybe after
@@ -62,11 +62,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from .functional import (Adapter, Groups, LoRA, LoRAConfig, adapter_mode, explicit_mode_active, init_adapter,
-                         link_siblings, module_mode, module_routes)
+from . import _config
+from ._layouts import check_module
+from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
+from .intercept import Groups, explicit_mode_active, link_siblings, module_mode, module_routes
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
-_IMPL = "auto"  # the op's impl in the stateful layer's modes (tests force "triton" for the interpreter)
 
 
 class _LoRAParams(nn.Module):
@@ -148,8 +149,8 @@ class _Grouping:
         and kept from a first call it would hold off groups learned since while only submodules run."""
         groups = getattr(self.local, "groups", None)
         if groups is None:
-            groups = self.local.groups = Groups(self.by_id, _IMPL)
-        groups.impl = _IMPL
+            groups = self.local.groups = Groups(self.by_id, _config.flags().stateful_impl)
+        groups.impl = _config.flags().stateful_impl
         groups.plan.clear()
         return groups
 
@@ -291,12 +292,12 @@ class _Registry(nn.Module):
         # weights passed for one call (torch.func.functional_call): the kept routes must not keep
         # them (nor their graphs) past it
         if not kept or not all(isinstance(w, nn.Parameter) for w in weights):
-            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_IMPL)
+            return module_mode(module, {k: self.active_lora(k) for k in keys}, impl=_config.flags().stateful_impl)
         # the siblings too: a leader computes their outputs with the weights and factors they hold
         # now (FSDP2 swaps in unsharded weights; load_state_dict(assign=True) new factors)
         for member, weight in zip(members, weights):
             member.lora, member.weight = self.active_lora(member.path), weight
-        return module_mode(module, impl=_IMPL, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
+        return module_mode(module, impl=_config.flags().stateful_impl, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
 
     def start_call(self, placed: tuple, model: nn.Module, args: Any) -> None:
         # checked compiled too: it reads no tensor, and traced it becomes identity guards
@@ -472,7 +473,7 @@ def _open_modes() -> list:
 
 def _check_new_name(name: Any, existing: Mapping[str, Any]) -> None:
     """``name`` can name a new adapter beside ``existing`` ones (``check_adapter_name``)."""
-    from ._io import check_adapter_name
+    from .io import check_adapter_name
 
     check_adapter_name(name)
     if name in existing:
@@ -669,8 +670,7 @@ def init(model: nn.Module) -> nn.Module:
         TypeError: ``model`` is not an ``nn.Module``, or is ``torch.compile``'s wrapper of one.
         ValueError: the model already has an attribute with one of those names.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fastaf.init needs an nn.Module, got {type(model).__name__}")
+    check_module(model, "fastaf.init")
     if isinstance(getattr(model, _ATTR, None), _Registry):
         return model  # a compiled wrapper of an inited model too: it reads the model's attributes
     _refuse_wrapper(model, "fastaf.init")
@@ -717,8 +717,9 @@ def save_adapter_to_local_dir(model: nn.Module, *, path: str | Path, name: str) 
     Under ``torch.distributed`` call it on every rank: rank 0 writes, and factors that FSDP2
     sharded are gathered first (a collective; called on rank 0 alone it would wait forever).
     """
-    from ._io import save_adapter
+    from .io import save_adapter
 
+    check_module(model, "fastaf.save_adapter_to_local_dir")
     slot = _registry(model).slot(name)
     save_adapter(slot.adapter(detach=True), path, config=slot.config, name=name, model=model)
     return Path(path)
@@ -754,10 +755,9 @@ def load_adapter(
     Returns:
         The name it was registered under; activate it with ``model.set_active_adapter(name)``.
     """
-    from ._io import read_adapter_and_name
+    from .io import read_adapter_and_name
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"load_adapter needs an nn.Module, got {type(model).__name__}")
+    check_module(model, "fastaf.load_adapter")
     _refuse_wrapper(model, "load_adapter")
     registry = getattr(model, _ATTR, None)
     existing = registry.adapters if isinstance(registry, _Registry) else {}
@@ -800,8 +800,9 @@ def push_adapter_to_hub(
         The URL of the commit (None on ranks other than 0 of a distributed run).
     """
     from . import distributed
-    from ._hub import upload_folder_to_hub
+    from .io import upload_folder_to_hub
 
+    check_module(model, "fastaf.push_adapter_to_hub")
     _registry(model).slot(name)  # unknown names fail before anything is written
     if not distributed.is_writer():
         return None  # rank 0 uploads; the other ranks of a distributed run do nothing

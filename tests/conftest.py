@@ -1,12 +1,17 @@
 """Shared pytest set-up: the repo root on sys.path (for tests._models, tests._tolerances),
 GPU tests skipped cleanly without CUDA, and every test seeded."""
+import contextlib
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fastaf.functional import _group
+from fastaf import _config
+from fastaf.intercept import groups as _group
+
+_group_op = importlib.import_module("fastaf.ops.lora_group")  # the module, not its public function
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
@@ -33,7 +38,7 @@ def counted(monkeypatch):
     """Counts of the grouped kernels' forward and backward calls; learned groups start empty."""
     monkeypatch.setattr(_group, "_LEARNED", type(_group._LEARNED)())
     monkeypatch.setattr(_group, "_GIVEN_UP", type(_group._GIVEN_UP)())
-    kernels, calls = _group._group_kernels(), {"fwd": 0, "bwd": 0}
+    kernels, calls = _group_op._group_kernels(), {"fwd": 0, "bwd": 0}
 
     class Counting:
         fits = staticmethod(kernels.fits)
@@ -48,5 +53,12 @@ def counted(monkeypatch):
             calls["bwd"] += 1
             return kernels.group_bwd(*args, **kwargs)
 
-    monkeypatch.setattr(_group, "_group_kernels", lambda: Counting)
+    monkeypatch.setattr(_group_op, "_group_kernels", lambda: Counting)
     return calls
+
+
+@pytest.fixture
+def set_flags():
+    """``set_flags(**flags)``: fastaf's switches (``fastaf._config``) changed until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **flags: stack.enter_context(_config.override(**flags))

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 import fastaf as fa
-from fastaf.functional import _below_grad
+from fastaf import _config
 from tests._models import random_adapter, tiny_llama, token_batch
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -104,13 +104,11 @@ def _worker(rank: int, port: int, folder: str, backend: str = "gloo") -> None:
     results["fsdp2-autograd"] = _train(sharded, adapter, local, _autograd_grad, reduce)
     # one eager grad level: the sharded model runs below it, under plain autograd
     results["fsdp2-func"] = _train(sharded, adapter, local, _func_grad, reduce)
-    _below_grad.ENABLED = False
     try:  # per op, FSDP2's hooks are not functorch-compatible on CUDA: refused before anything runs
-        _func_grad(sharded, adapter, local[0])
+        with _config.override(below_grad=False):
+            _func_grad(sharded, adapter, local[0])
     except NotImplementedError as err:
         results["fsdp2-func-error"] = str(err)
-    finally:
-        _below_grad.ENABLED = True
     # compiled as FSDP2 recipes compile: each block after fully_shard, the call itself eager
     # (aot_eager: Inductor's CPU codegen adds a minute on CI's 2 cores)
     torch._dynamo.utils.counters.clear()

@@ -12,10 +12,10 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import fastaf as fa
-import fastaf._hub
+import fastaf.io.hub
 import fastaf._stateful
-from fastaf import _io
-from fastaf.functional import _group
+from fastaf.io import files as _io
+from fastaf.intercept import groups as _group
 from tests._models import ARCHS, VOCAB, random_adapter, tiny_bart, tiny_gpt2, tiny_llama, tiny_mixtral, token_batch
 from tests._peft import peft_model_with
 from tests._tolerances import rel_err
@@ -254,8 +254,8 @@ def test_deepcopy_is_independent():
 
 
 def test_whole_model_saves_and_loads_with_torch_save(tmp_path):
-    """torch.save of the model object itself (until stop 37 the loaded copy failed: the bound
-    methods pickled as getattr of their private function names)."""
+    """torch.save of the model object itself: the loaded copy works (the bound methods must not
+    pickle as getattr of private function names)."""
     _, model = inited()
     torch.save(model, tmp_path / "model.pt")
     twin = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -416,7 +416,7 @@ def test_a_recorded_name_that_cannot_register_says_where_it_came_from(tmp_path):
     base, model = inited()
     fa.save_adapter(model.get_adapter("a"), tmp_path)
     weights = tmp_path / "adapter_model.safetensors"
-    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt", _io._NAME_KEY: "my.adapter"})
+    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt", _io.NAME_KEY: "my.adapter"})
     fresh = copy.deepcopy(base)
     with pytest.raises(ValueError, match=r"name recorded in its files cannot be used.*'my.adapter'.*pass name="):
         fa.load_adapter(fresh, path_or_repo_id=tmp_path)
@@ -529,7 +529,7 @@ def test_push_adapter_to_hub_uploads_the_saved_folder(monkeypatch):
         seen["adapter"] = fa.read_adapter(folder)
         return "https://hub.example/commit/1"
 
-    monkeypatch.setattr(fastaf._hub, "upload_folder_to_hub", fake_upload)
+    monkeypatch.setattr(fastaf.io.hub, "upload_folder_to_hub", fake_upload)
     url = fa.push_adapter_to_hub(model, name="b", repo_id="user/sql", token="tok", private=True)
     assert url == "https://hub.example/commit/1"
     assert seen["repo_id"] == "user/sql" and seen["files"] == ["adapter_config.json", "adapter_model.safetensors"]
@@ -580,7 +580,7 @@ def test_an_interrupted_forward_leaves_no_mode_behind():
 def test_push_on_a_rank_other_than_0_uploads_nothing(monkeypatch):
     _, model = inited()
     monkeypatch.setattr(fa.distributed, "is_writer", lambda: False)
-    monkeypatch.setattr(fastaf._hub, "upload_folder_to_hub", lambda *a, **k: pytest.fail("uploaded"))
+    monkeypatch.setattr(fastaf.io.hub, "upload_folder_to_hub", lambda *a, **k: pytest.fail("uploaded"))
     assert fa.push_adapter_to_hub(model, name="b", repo_id="alice/x") is None
 
 
@@ -605,17 +605,17 @@ def test_init_on_a_sequential_keeps_its_forward():
 
 @needs_interpreter
 @pytest.mark.parametrize("flow", ["steps", "checkpointed", "two forwards, one backward", "backward in a thread"])
-def test_siblings_group_across_the_modules_hooks_and_equal_each_layer_alone(counted, monkeypatch, flow):
+def test_siblings_group_across_the_modules_hooks_and_equal_each_layer_alone(counted, monkeypatch, flow, set_flags):
     """q/k/v and gate/up run as one op at the first one's call, as in an eager functional_call:
     the first call learns the groups, the next ones run each group as one op each way, with the
     same outputs and gradients as every layer alone. Inside a non-reentrant activation checkpoint
     each layer runs alone: its recompute, on another thread (CUDA's autograd device thread) or
     after later calls, must make the ops its forward made."""
-    monkeypatch.setattr(fastaf._stateful, "_IMPL", "triton")  # the kernels: the interpreter on the CPU
+    set_flags(stateful_impl="triton")  # the kernels: the interpreter on the CPU
     ids = [token_batch(seed=s) for s in range(3)]
 
     def run(group: bool) -> list:
-        monkeypatch.setattr(_group, "GROUP", group)
+        set_flags(group=group)
         model = fa.init(tiny_llama(layers=1))
         model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"]))
@@ -675,17 +675,17 @@ def test_kept_routes_hold_no_tensor_of_a_call_after_it():
 
 
 @needs_interpreter
-def test_siblings_group_when_only_a_submodule_runs(counted, monkeypatch):
+def test_siblings_group_when_only_a_submodule_runs(counted, monkeypatch, set_flags):
     """Groups learned by a submodule's calls (the decoder stack without the head) serve its later
     calls, with the outputs of every layer alone."""
-    monkeypatch.setattr(fastaf._stateful, "_IMPL", "triton")
+    set_flags(stateful_impl="triton")
     model = fa.init(tiny_llama(layers=1))
     model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]))
     model.set_active_adapter("a")
     with torch.no_grad():
-        monkeypatch.setattr(_group, "GROUP", False)
+        set_flags(group=False)
         want = model.model(token_batch()).last_hidden_state
-        monkeypatch.setattr(_group, "GROUP", True)
+        set_flags(group=True)
         got = [model.model(token_batch()).last_hidden_state for _ in range(3)]
     for y in got:
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-6)
@@ -693,11 +693,11 @@ def test_siblings_group_when_only_a_submodule_runs(counted, monkeypatch):
 
 
 @needs_interpreter
-def test_a_raising_call_does_not_end_grouping_and_passed_weights_are_not_kept(counted, monkeypatch):
+def test_a_raising_call_does_not_end_grouping_and_passed_weights_are_not_kept(counted, monkeypatch, set_flags):
     """A call that raised midway drops the outputs its group held (its members never ran) without
     giving the group up; weights passed for one call (torch.func.functional_call) run each layer
     alone and are not kept by the stateful layer's routes."""
-    monkeypatch.setattr(fastaf._stateful, "_IMPL", "triton")
+    set_flags(stateful_impl="triton")
     model = fa.init(tiny_llama(layers=1))
     model.add_new_adapter("a", random_adapter(model, ["q_proj", "k_proj", "v_proj"]))
     model.set_active_adapter("a")

@@ -1,6 +1,6 @@
 """``fastaf-tune``: tune fastaf's Triton kernels for a model's layer shapes on this GPU.
 
-    fastaf-tune                                   # BENCH.md shapes, tokens 2048/8192/16384, r 16/64
+    fastaf-tune                                   # Llama-3-8B shapes, tokens 2048/8192/16384, r 16/64
     fastaf-tune --model-config config.json --tokens 8192 --ranks 16   # every adapted linear
     fastaf-tune --model-config config.json --targets q_proj,v_proj --print-shapes
     fastaf-tune --shapes 4096x4096,4096x14336 --kernels gemm,dispatch
@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fastaf.kernels import _cache, _dispatch
+from fastaf.kernels import cache, dispatch
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def _shapes(text: str) -> list[tuple[int, int]]:
+def parse_shapes(text: str) -> list[tuple[int, int]]:
     out = []
     for item in text.split(","):
         k, n = item.lower().split("x")
@@ -34,7 +34,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _model_shapes(path_or_json: str, targets: str | list[str] = "all-linear") -> list[tuple[int, int]]:
+def model_shapes(path_or_json: str, targets: str | list[str] = "all-linear") -> list[tuple[int, int]]:
     """(K, N) of every linear layer ``targets`` adapts in the model a config describes.
 
     With a ``model_type`` (any HF config.json) the model is built on the meta device (no memory,
@@ -88,11 +88,11 @@ _SHAPE_FIELDS = ("M", "K", "N", "R")  # printed first, in this order
 
 
 def _list() -> int:
-    files = sorted(_cache.cache_dir().glob("tune-*.json"))
+    files = sorted(cache.cache_dir().glob("tune-*.json"))
     if not files:
-        print(f"no tuning caches under {_cache.cache_dir()}")
+        print(f"no tuning caches under {cache.cache_dir()}")
     for f in files:
-        data = _cache.load(f) if f.is_file() else None  # warns and drops what is malformed
+        data = cache.load(f) if f.is_file() else None  # warns and drops what is malformed
         if data is None:
             print(f"{f}: unreadable (ignored)")
             continue
@@ -111,16 +111,16 @@ def _list() -> int:
 def _times(entry: dict) -> str:
     """'  (triton 93.1 | 82.6 us, addmm 96.2 | 167.2 us: GPU | host)' from a dispatch entry's times."""
     ms, host = entry.get("ms"), entry.get("host_ms")
-    if not _dispatch._timed(ms):
+    if not dispatch.timed(ms):
         return ""
-    if _dispatch._timed(host):
-        cells = ", ".join(f"{p} {ms[p] * 1e3:.1f} | {host[p] * 1e3:.1f} us" for p in _dispatch.IMPLS)
+    if dispatch.timed(host):
+        cells = ", ".join(f"{p} {ms[p] * 1e3:.1f} | {host[p] * 1e3:.1f} us" for p in dispatch.IMPLS)
         return f"  ({cells}: GPU | host)"
-    return "  (" + ", ".join(f"{p} {ms[p] * 1e3:.1f} us" for p in _dispatch.IMPLS) + ")"
+    return "  (" + ", ".join(f"{p} {ms[p] * 1e3:.1f} us" for p in dispatch.IMPLS) + ")"
 
 
 def _clear() -> int:
-    files = sorted(_cache.cache_dir().glob("tune-*.json"))
+    files = sorted(cache.cache_dir().glob("tune-*.json"))
     failed = 0
     for f in files:
         try:
@@ -132,9 +132,9 @@ def _clear() -> int:
             print(f"fastaf-tune: could not remove {f}: {err.strerror or err}", file=sys.stderr)
         else:
             print(f"removed {f}")
-    _cache.forget()
+    cache.forget()
     if not files:
-        print(f"nothing to clear under {_cache.cache_dir()}")
+        print(f"nothing to clear under {cache.cache_dir()}")
     return 1 if failed else 0
 
 
@@ -146,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--targets", default="all-linear",
                    help="with --model-config: comma-separated target names or 'all-linear' (default)")
     p.add_argument("--print-shapes", action="store_true", help="print the shapes that would be tuned and stop")
-    p.add_argument("--shapes", type=_shapes, help="comma-separated KxN (in x out), e.g. 4096x14336")
+    p.add_argument("--shapes", type=parse_shapes, help="comma-separated KxN (in x out), e.g. 4096x14336")
     p.add_argument("--tokens", type=_ints, default=BENCH_TOKENS, help="M values (default %(default)s)")
     p.add_argument("--ranks", type=_ints, default=BENCH_RANKS, help="LoRA ranks (default %(default)s)")
     p.add_argument("--kernels", default=",".join(KERNELS), help="subset of %(default)s")
@@ -169,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     targets = args.targets if args.targets == "all-linear" else [t for t in args.targets.split(",") if t]
-    shapes = args.shapes or (_model_shapes(args.model_config, targets) if args.model_config else BENCH_SHAPES)
+    shapes = args.shapes or (model_shapes(args.model_config, targets) if args.model_config else BENCH_SHAPES)
     if args.print_shapes:
         print("\n".join(f"{k}x{n}" for k, n in shapes))
         return 0
@@ -183,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"ranks {args.ranks}  kernels {kernels}", flush=True)
     tune(shapes, args.tokens, args.ranks, dtype=getattr(torch, args.dtype), kernels=kernels,
          rep_ms=args.rep_ms, budget_s=args.budget_s, log=lambda s: print(s, flush=True))
-    print(f"done in {time.time() - t0:.0f} s -> {_cache.cache_path()}")
+    print(f"done in {time.time() - t0:.0f} s -> {cache.cache_path()}")
     return 0
 
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._adapter import Adapter, LoRA, _as_scalar, _layout_mismatch
-from ._modules import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec, selects
+from .._adapter import Adapter, LoRA, as_scalar, layout_mismatch
+from .._layouts import LinearSpec, ParamSpec, fold_param, linear_spec, param_spec, selects
 
 METHODS = ("linear", "cat", "svd", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 _DENSE = frozenset({"ties", "dare_linear", "dare_ties", "magnitude_prune"})  # need `density`
@@ -123,7 +123,7 @@ def _check_unstacked(adapter: Adapter, where: str) -> None:
 def _check_weights(weights: Sequence[Any] | None, n: int) -> list[float]:
     if weights is None:
         return [1.0] * n
-    weights = [_as_scalar(w) for w in weights]
+    weights = [as_scalar(w) for w in weights]
     if len(weights) != n:
         raise ValueError(f"fastaf.merge: {len(weights)} weights for {n} adapters")
     if not all(math.isfinite(w) for w in weights):
@@ -159,7 +159,7 @@ def _check_options(method: str, r: Any, density: Any, seed: Any) -> tuple[int | 
             raise ValueError(f"fastaf.merge: method={method!r} needs density in (0, 1]")
         try:
             is_bool = isinstance(density, torch.Tensor) and density.dtype == torch.bool
-            value = math.nan if is_bool else _as_scalar(density)
+            value = math.nan if is_bool else as_scalar(density)
         except (TypeError, ValueError):
             value = math.nan
         if not 0.0 < value <= 1.0:
@@ -183,7 +183,7 @@ def _terms_by_path(adapters: list[Adapter], weights: list[float]) -> dict[str, l
     for path, path_terms in terms.items():
         first = path_terms[0][1]
         for _, lora in path_terms[1:]:
-            if why := _layout_mismatch(lora, first):
+            if why := layout_mismatch(lora, first):
                 raise ValueError(
                     f"{path}: cannot merge A {tuple(lora.A.shape)}/B {tuple(lora.B.shape)} with "
                     f"A {tuple(first.A.shape)}/B {tuple(first.B.shape)}: {why}"

@@ -1,4 +1,4 @@
-"""Projections that read one input (q/k/v, gate/up) as one call: the seeds' LoRA_QKV / LoRA_MLP.
+"""Projections that read one input (q/k/v, gate/up) as one call (as Unsloth's LoRA_QKV / LoRA_MLP).
 
 For siblings i = 1..n over one x (M, K), each with its own W_i (N_i, K), bias_i, A_i (r_i, K),
 B_i (N_i, r_i) and scale s_i, with A = [A_1; ..; A_n] (R, K) and R = sum r_i:
@@ -11,7 +11,7 @@ B_i (N_i, r_i) and scale s_i, with A = [A_1; ..; A_n] (R, K) and R = sum r_i:
 
 Against n separate calls this reads x 2(n - 1) times less and sums dx inside its GEMMs, where
 autograd would add the siblings' dx (n - 1 elementwise passes over an (M, K) tensor). An eager
-call's launches replay from one CUDA graph each way (``_graphs``), every output allocated before.
+call's launches replay from one CUDA graph each way (``launch_graphs``), every output allocated before.
 A sibling whose output got no gradient contributes dh_i = 0 and gets dB_i = None.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from fastaf.kernels import _graphs
-from fastaf.kernels.lora_linear import _bwd_da_plan, _bwd_dy_plan, bwd_da, bwd_dy, fwd_h, gemm, segments_fit
+from fastaf.kernels import launch_graphs
+from fastaf.kernels.lora_linear import bwd_da, bwd_da_plan, bwd_dy, bwd_dy_plan, fwd_h, gemm, segments_fit
 from fastaf.kernels.lora_linear_configs import MAX_RANK
-from fastaf.kernels.lora_linear_plan import _choose, _tf32
+from fastaf.kernels.lora_linear_plan import _tf32, choose_impl
 
 
 def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int], impl: str) -> bool:
@@ -31,16 +31,16 @@ def fits(x: torch.Tensor, weights: Sequence[torch.Tensor], ranks: Sequence[int],
     alone would (``impl`` "auto": the measured dispatch), so the group never runs a path the
     dispatch rejected. x (M, K). Never under torch's deterministic mode: the group's backward
     sums with fp32 atomics, and each sibling alone then alerts or takes cuBLAS as its dispatch says.
-    Each sibling is asked at its own rank, not the group's sum (q/k/v at r=16 once resolved to the
-    dispatch's r=64 entries, where q's forward at M=4096 and k/v's at M=8192 take cuBLAS on the
-    H100: no group at the 1B shapes); the sum must fit the kernels' padded rank, which the group's
+    Each sibling is asked at its own rank, not the group's sum (asked at the sum, q/k/v at r=16
+    resolve to the dispatch's r=64 entries, where q's forward at M=4096 and k/v's at M=8192 take
+    cuBLAS on the H100: no group at the 1B shapes); the sum must fit the kernels' padded rank, which the group's
     h and dx launches read."""
     if torch.are_deterministic_algorithms_enabled():  # no alert here: each sibling alone decides
         return False
     if sum(ranks) > MAX_RANK:
         return False
     M, K = x.shape
-    return all(_choose(impl, phase, x, M, K, w.shape[0], r) == "triton"
+    return all(choose_impl(impl, phase, x, M, K, w.shape[0], r) == "triton"
                for w, r in zip(weights, ranks) for phase in ("fwd", "bwd"))
 
 
@@ -66,9 +66,9 @@ def group_fwd(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
             gemm(x, w.T, h[:, start:start + r], b_i.T, bias, s, 0.0, None, x.dtype, out=y)
             start += r
 
-    if graphed and _graphs.usable(x):
-        key = _graphs.call_key((x, h, *weights, *biases, *a, *b, *ys), "group_fwd", *scales, _tf32(x.dtype))
-        _graphs.GRAPHS.run(key, x.get_device(), launch)
+    if graphed and launch_graphs.usable(x):
+        key = launch_graphs.call_key((x, h, *weights, *biases, *a, *b, *ys), "group_fwd", *scales, _tf32(x.dtype))
+        launch_graphs.GRAPHS.run(key, x.get_device(), launch)
     else:
         launch()
     return ys, h
@@ -91,14 +91,14 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
     dev = x.device
     ranks = [t.shape[0] for t in a]
     starts = [sum(ranks[:i]) for i in range(len(ranks))]
-    dy_plans = {i: _bwd_dy_plan(dys[i], b[i], h[:, starts[i]:starts[i] + ranks[i]], None) for i in live}
-    da_plan = _bwd_da_plan(x, R, False, None, None)
+    dy_plans = {i: bwd_dy_plan(dys[i], b[i], h[:, starts[i]:starts[i] + ranks[i]], None) for i in live}
+    da_plan = bwd_da_plan(x, R, False, None, None)
     da = torch.empty((R, K), device=dev, dtype=torch.float32)
     # db: summed from partials into b's dtype (allocated here), or atomically into a zeroed fp32 buffer
     db = {i: torch.empty((b[i].shape[0], ranks[i]), device=dev,
                          dtype=b[i].dtype if dy_plans[i][1] else torch.float32) for i in live}
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
-    # H100, 1B q/k/v: 175 us in one launch against 199 for gemm + addmm_ (diag-sibling-dx-s39)
+    # H100, 1B q/k/v: 175 us in one launch against 199 for gemm + addmm_
     first, rest = live[0], live[1:]
     one_launch = segments_fit(dys[first], weights[first], [(dys[i], weights[i]) for i in rest])
 
@@ -130,10 +130,10 @@ def group_bwd(dys: Sequence[Optional[torch.Tensor]], x: torch.Tensor, weights: S
                 for i in rest:
                     dx.addmm_(dys[i], weights[i])  # cuBLAS sums into dx: no separate add pass
 
-    if graphed and _graphs.usable(x):
-        key = _graphs.call_key((*dys, x, h, *weights, *a, *b, da, *db.values(), dx), "group_bwd", *scales,
+    if graphed and launch_graphs.usable(x):
+        key = launch_graphs.call_key((*dys, x, h, *weights, *a, *b, da, *db.values(), dx), "group_bwd", *scales,
                                _tf32(x.dtype))
-        _graphs.GRAPHS.run(key, dev.index, launch)
+        launch_graphs.GRAPHS.run(key, dev.index, launch)
     else:
         launch()
     das = [None if i not in live else da[start:start + r] if a[i].dtype == torch.float32

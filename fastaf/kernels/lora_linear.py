@@ -22,16 +22,16 @@ R is padded to R_PAD = max(16, next power of two) inside the kernels with masks 
 16). Accumulation is fp32 everywhere; dh, da, db are reduced in fp32 buffers and cast at the end.
 
 The skinny kernels can load their big operand through TMA descriptors too (config USE_TMA).
-Every launch goes through ``_launch.LaunchSite``, which calls the compiled kernel directly after
+Every launch goes through ``launch_sites.LaunchSite``, which calls the compiled kernel directly after
 the first launch per specialization (~14 us of host time instead of ~27 us on the H200 machine).
 
-``impl="auto"`` asks ``_dispatch.choose`` per phase: "triton" runs the Triton kernels, "addmm"
+``impl="auto"`` asks ``dispatch.choose`` per phase: "triton" runs the Triton kernels, "addmm"
 runs cuBLAS (F.linear / torch.mm) with the LoRA term added by ``addmm_``.
 
 The family, in reading order: ``lora_linear_configs`` (config spaces, defaults, shared-memory
 fit), ``lora_linear_kernels`` (the ``@triton.jit`` kernels), ``lora_linear_plan`` (config choice,
 memoized launch plans, dispatch choice) and this module: input checks, the launchers and
-``lora_linear_fwd`` / ``lora_linear_bwd``. ``_device`` says what the GPU offers.
+``lora_linear_fwd`` / ``lora_linear_bwd``. ``hardware`` says what the GPU offers.
 """
 from __future__ import annotations
 
@@ -41,17 +41,17 @@ from typing import Optional
 import torch
 import triton
 
-from fastaf.kernels import _graphs, _launch
-from fastaf.kernels._device import _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d
-from fastaf.kernels._device import available  # noqa: F401 - fastaf.functional asks lora_linear.available
+from fastaf.kernels import launch_graphs, launch_sites
+from fastaf.kernels.hardware import _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d
+from fastaf.kernels.hardware import available  # noqa: F401 - fastaf.ops asks lora_linear.available
 from fastaf.kernels.dropout_hash import keep_mask
 from fastaf.kernels.lora_linear_configs import DEFAULTS, INTERPRET, MAX_RANK
 from fastaf.kernels.lora_linear_kernels import (_lora_linear_bwd_da_kernel, _lora_linear_bwd_db_kernel,
                                                 _lora_linear_bwd_dy_kernel, _lora_linear_fwd_h_kernel,
                                                 _lora_linear_gemm_kernel)
-from fastaf.kernels.lora_linear_plan import (_aligned, _call_plan, _choose, _conf_key, _config, _dot_precision, _elt,
-                                             _gemm_key, _key, _meta, _num_programs, _plan, _r_pad, _skinny_conf,
-                                             _tf32)
+from fastaf.kernels.lora_linear_plan import (_call_plan, _conf_key, _dot_precision, _elt, _key, _meta, _num_programs,
+                                             _plan, _skinny_conf, _tf32, aligned, choose_impl, gemm_key, launch_config,
+                                             padded_rank)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -111,17 +111,17 @@ def _fwd_h_plan(x: torch.Tensor, a: torch.Tensor, has_dropout: bool, config: Opt
                                                factor=a.dtype)
         tma = tma and (a_fits or K * _elt(dtype) % 16 == 0)  # a cast to x's dtype: rows still 16-byte aligned
         return ((triton.cdiv(M, conf["BLOCK_M"]),), tma, a_fits,
-                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R),
+                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=padded_rank(R),
                        DOT_PRECISION=_dot_precision(dtype), **meta))
 
     return _plan(("fwd_h", dev.index, M, K, R, dtype, a.dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)),
                  build)
 
 
-def _launch_planned(site: _launch.LaunchSite, plan: list, slot: int, grid: tuple, args: tuple, meta: dict,
+def launch_planned(site: launch_sites.LaunchSite, plan: list, slot: int, grid: tuple, args: tuple, meta: dict,
                     meta_key: tuple, *, alike: bool = True) -> None:
     """Launch through ``site``; ``plan[slot]`` keeps the kernel it launched, which the next call
-    with the same plan (``_call_memo``: the same call signature) relaunches without a key.
+    with the same plan (``call_memo``: the same call signature) relaunches without a key.
     ``alike``: the outputs the plan does not describe (views into a caller's buffer) are 16-byte
     aligned as well, so the call matches the kernel kept; else the site's key decides."""
     entry = plan[slot] if alike else None
@@ -134,14 +134,14 @@ def _launch_planned(site: _launch.LaunchSite, plan: list, slot: int, grid: tuple
 def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor],
           *, config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """h = dropout(x) @ a.T, (M, R) in x's dtype. x (M, K), a (R, K). ``out``: h's contiguous
-    (M, R) buffer, allocated by the caller (a graphed call: ``_graphs``)."""
+    (M, R) buffer, allocated by the caller (a graphed call: ``launch_graphs``)."""
     M, K = x.shape
     R = a.shape[0]
     dtype, has_dropout = x.dtype, dropout_p > 0
     # the call's signature: with it the plan is one lookup (~10 us of host time less per launch)
     call = (("fwd_h", x.get_device(), M, K, R, x.stride(), a.stride(), dtype, a.dtype,
              seed.dtype if has_dropout else None, _tf32(dtype))
-            if config is None and _aligned(x, a, seed) else None)
+            if config is None and aligned(x, a, seed) else None)
     plan = _call_plan(call, lambda: _fwd_h_plan(x, a, has_dropout, config))
     grid, tma, a_fits, meta, meta_key, _ = plan
     if not a_fits:  # an fp32 a's tiles fit no config at this rank: read it in x's dtype
@@ -150,12 +150,12 @@ def fwd_h(x: torch.Tensor, a: torch.Tensor, dropout_p: float, seed: Optional[tor
     if tma and x.is_cuda:
         _ensure_allocator()
     xs, as_ = x.stride(), a.stride()
-    _launch_planned(_SITES["fwd_h"], plan, 5, grid, (
+    launch_planned(SITES["fwd_h"], plan, 5, grid, (
         x, a, seed if has_dropout else x, h,
         M, K, R,
         xs[0], xs[1], as_[0], as_[1], R, 1,
         float(dropout_p),
-    ), meta, meta_key, alike=out is None or _aligned(out))
+    ), meta, meta_key, alike=out is None or aligned(out))
     return h
 
 
@@ -178,12 +178,12 @@ def _gemm_plan(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, out_dtype: 
 
     def build():
         phase = "gemm" if tma else "gemm_plain"
-        conf = _config(phase, dev, _gemm_key(M, N, k_total, R, x.dtype, w_kn), config)
+        conf = launch_config(phase, dev, gemm_key(M, N, k_total, R, x.dtype, w_kn), config)
         tiles = triton.cdiv(M, conf["BLOCK_M"]) * triton.cdiv(N, conf["BLOCK_N"])
         programs = _num_programs(dev, tiles)
         return ((programs,), programs,
                 *_meta(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, USE_TMA=tma, W_K_CONTIG=w_k_contig,
-                       R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(x.dtype), NUM_SEG=1 + len(extra), **conf))
+                       R_PAD=padded_rank(R), DOT_PRECISION=_dot_precision(x.dtype), NUM_SEG=1 + len(extra), **conf))
 
     memo = ("gemm", dev.index, M, N, K, R, x.dtype, h.dtype, out_dtype, w_k_contig, tma, has_bias, has_dropout,
             _tf32(x.dtype), _conf_key(config), tuple(xj.shape[1] for xj, _ in extra))
@@ -213,7 +213,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     unit-stride dim) summed in the same launch (siblings' dX: y written once, no add pass).
     ``lead``: y is allocated (*lead, N) instead (prod(lead) == M, contiguous: the same memory),
     which spares a caller's reshape of a flattened input's output. ``out``: y's contiguous buffer
-    of that shape, allocated by the caller (a graphed call: ``_graphs``).
+    of that shape, allocated by the caller (a graphed call: ``launch_graphs``).
     """
     M, K = x.shape
     N = w_kn.shape[1]
@@ -228,7 +228,7 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     call = (("gemm", x.get_device(), M, N, K, R, xs, ws, hs, us, x.dtype, w_kn.dtype, h.dtype, u_rn.dtype,
              out_dtype, None if bias is None else bias.dtype, seed.dtype if has_dropout else None, _tf32(x.dtype),
              *[(xj.shape[1], xj.stride(), wj.stride(), xj.dtype, wj.dtype) for xj, wj in extra])
-            if config is None and use_tma is None and _aligned(x, w_kn, h, u_rn, bias, seed, *sum(extra, ()))
+            if config is None and use_tma is None and aligned(x, w_kn, h, u_rn, bias, seed, *sum(extra, ()))
             else None)
     plan = _call_plan(call, lambda: _gemm_plan(x, w_kn, h, out_dtype, has_bias, has_dropout, config, use_tma, extra))
     grid, programs, tma, meta, meta_key, _ = plan
@@ -238,30 +238,30 @@ def gemm(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor, u_rn: torch.Tenso
     (x2, w2), (x3, w3) = extra + ((x, w_kn),) * (2 - len(extra))  # unused segments: any tensors, K_j = 0
     k2 = x2.shape[1] if len(extra) >= 1 else 0
     k3 = x3.shape[1] if len(extra) >= 2 else 0
-    _launch_planned(_SITES["gemm"], plan, 5, grid, (
+    launch_planned(SITES["gemm"], plan, 5, grid, (
         x, w_kn, h, u_rn, bias if has_bias else x, seed if has_dropout else x, y, x2, w2, x3, w3,
         M, N, K, R, k2, k3,
         xs[0], xs[1], ws[0], ws[1], hs[0], hs[1], us[0], us[1], N, 1,
         x2.stride(0), w2.stride(0), w2.stride(1), x3.stride(0), w3.stride(0), w3.stride(1),
         programs, float(l_scale), float(dropout_p),
-    ), meta, meta_key, alike=out is None or _aligned(out))
+    ), meta, meta_key, alike=out is None or aligned(out))
     return y
 
 
-def _bwd_dy_plan(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, config: Optional[dict]) -> list:
+def bwd_dy_plan(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, config: Optional[dict]) -> list:
     """[grid, partials P or 0, SPLIT_N, use TMA, whether b is read in its own dtype (else in dy's),
     (bwd_db meta, key), meta, meta_key, bwd_dy's and bwd_db's launched kernels] of a bwd_dy launch,
-    memoized per call signature where it can be (``_call_memo``)."""
+    memoized per call signature where it can be (``call_memo``)."""
     M, N = dy.shape
     R = b.shape[1]
     dtype, b_dtype = dy.dtype, b.dtype
     call = (("bwd_dy", dy.get_device(), M, N, R, dy.stride(), b.stride(), h.stride(), dtype, b_dtype, h.dtype,
-             _tf32(dtype)) if config is None and _aligned(dy, b, h) else None)
+             _tf32(dtype)) if config is None and aligned(dy, b, h) else None)
     return _call_plan(call, lambda: _bwd_dy_launch_plan(dy, R, b_dtype, config), slots=2)
 
 
 def _bwd_dy_launch_plan(dy: torch.Tensor, R: int, b_dtype: torch.dtype, config: Optional[dict]) -> tuple:
-    """``_bwd_dy_plan``'s entries before the kernel slots, by config and shape (``_plan``)."""
+    """``bwd_dy_plan``'s entries before the kernel slots, by config and shape (``_plan``)."""
     M, N = dy.shape
     dev, dtype = dy.device, dy.dtype
     tma_ok = _rows_tma_ready(dy)
@@ -274,7 +274,7 @@ def _bwd_dy_launch_plan(dy: torch.Tensor, R: int, b_dtype: torch.dtype, config: 
         db_conf = INTERPRET["bwd_db"] if dev.type != "cuda" else DEFAULTS["bwd_db"]
         db_meta = _meta(**db_conf)
         return (grid, grid[0] if partial else 0, conf["SPLIT_N"], tma, b_fits, db_meta,
-                *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
+                *_meta(USE_TMA=tma, DB_PARTIAL=partial, R_PAD=padded_rank(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
     return _plan(("bwd_dy", dev.index, M, N, R, dtype, b_dtype, tma_ok, _tf32(dtype), _conf_key(config)), build)
@@ -289,14 +289,14 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     ``dh``: optional fp32 (M, R) contiguous output, zero-filled by the caller (lets the
     backward zero dh and da with one memset). ``db_sum``: likewise db's fp32 (N, R) atomic
     accumulator, zero-filled by the caller; used where the plan adds db atomically (no partials).
-    ``plan``: ``_bwd_dy_plan``'s, when the caller has it. ``db_out``: db's (N, R) buffer in b's
+    ``plan``: ``bwd_dy_plan``'s, when the caller has it. ``db_out``: db's (N, R) buffer in b's
     dtype where the plan sums partials (a graphed call allocates every output before). ``cast``
     False: an atomically summed db comes back fp32 (the graphed caller casts it outside the graph).
     """
     M, N = dy.shape
     R = b.shape[1]
     dev = dy.device
-    plan = _bwd_dy_plan(dy, b, h, config) if plan is None else plan
+    plan = bwd_dy_plan(dy, b, h, config) if plan is None else plan
     grid, partials, split, tma, b_fits, (db_meta, db_meta_key), meta, meta_key = plan[:8]
     b_dtype = b.dtype  # db comes back in it
     if not b_fits:  # an fp32 b's tiles fit no config at this rank: read it in dy's dtype
@@ -310,35 +310,35 @@ def bwd_dy(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
     if tma and dy.is_cuda:
         _ensure_allocator()
     ds, bs, hs = dy.stride(), b.stride(), h.stride()
-    _launch_planned(_SITES["bwd_dy"], plan, 8, grid, (
+    launch_planned(SITES["bwd_dy"], plan, 8, grid, (
         dy, b, h, dh, db_buf,
         M, N, R,
         ds[0], ds[1], bs[0], bs[1], hs[0], hs[1],
         float(scale),
-    ), meta, meta_key, alike=_aligned(dh, db_buf))
+    ), meta, meta_key, alike=aligned(dh, db_buf))
     if not partials:
         return dh, db_buf if b_dtype == torch.float32 or not cast else db_buf.to(b_dtype)
     db = torch.empty((N, R), device=dev, dtype=b_dtype) if db_out is None else db_out
-    _launch_planned(_SITES["bwd_db"], plan, 9, (triton.cdiv(N * R, db_meta["BLOCK"]),),
+    launch_planned(SITES["bwd_db"], plan, 9, (triton.cdiv(N * R, db_meta["BLOCK"]),),
                     (db_buf, db, N * R, partials, float(scale)), db_meta, db_meta_key,
-                    alike=db_out is None or (db_out.dtype == b_dtype and _aligned(db_out)))
+                    alike=db_out is None or (db_out.dtype == b_dtype and aligned(db_out)))
     return dh, db
 
 
-def _bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torch.Tensor],
+def bwd_da_plan(x: torch.Tensor, R: int, has_dropout: bool, seed: Optional[torch.Tensor],
                  config: Optional[dict], dh_dtype: torch.dtype = torch.float32) -> list:
     """[grid, SPLIT_M, use TMA, meta, meta_key, the launched kernel] of a bwd_da launch, memoized
-    per call signature where it can be (``_call_memo``). ``dh_dtype``: the kernel kept is
+    per call signature where it can be (``call_memo``). ``dh_dtype``: the kernel kept is
     specialized on it (an fp32 dh read through a kernel built for bf16 gives garbage)."""
     M, K = x.shape
     dtype = x.dtype
     call = (("bwd_da", x.get_device(), M, K, R, x.stride(), dtype, dh_dtype, seed.dtype if has_dropout else None,
-             _tf32(dtype)) if config is None and _aligned(x, seed) else None)
+             _tf32(dtype)) if config is None and aligned(x, seed) else None)
     return _call_plan(call, lambda: _bwd_da_launch_plan(x, R, has_dropout, config))
 
 
 def _bwd_da_launch_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Optional[dict]) -> tuple:
-    """``_bwd_da_plan``'s entries before the kernel slot, by config and shape (``_plan``)."""
+    """``bwd_da_plan``'s entries before the kernel slot, by config and shape (``_plan``)."""
     M, K = x.shape
     dev, dtype = x.device, x.dtype
     tma_ok = _rows_tma_ready(x)
@@ -346,7 +346,7 @@ def _bwd_da_launch_plan(x: torch.Tensor, R: int, has_dropout: bool, config: Opti
     def build():
         conf, tma, meta, _ = _skinny_conf("bwd_da", dev, _key(M=M, K=K, R=R, dtype=dtype), config, tma_ok)
         return ((triton.cdiv(K, conf["BLOCK_K"]), conf["SPLIT_M"]), conf["SPLIT_M"], tma,
-                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype),
+                *_meta(HAS_DROPOUT=has_dropout, USE_TMA=tma, R_PAD=padded_rank(R), DOT_PRECISION=_dot_precision(dtype),
                        **meta))
 
     return _plan(("bwd_da", dev.index, M, K, R, dtype, has_dropout, tma_ok, _tf32(dtype), _conf_key(config)), build)
@@ -359,36 +359,36 @@ def bwd_da(dh: torch.Tensor, x: torch.Tensor, dropout_p: float, seed: Optional[t
     x's dtype (a compiled graph's), x (M, K).
 
     ``da``: optional fp32 (R, K) contiguous output, zero-filled by the caller. ``plan``:
-    ``_bwd_da_plan``'s for an fp32 dh, when the caller has it.
+    ``bwd_da_plan``'s for an fp32 dh, when the caller has it.
     """
     M, K = x.shape
     R = dh.shape[1]
     has_dropout = dropout_p > 0
     # a caller's plan was built for an fp32 dh: another dtype must not relaunch its kernel
     alike = plan is None or dh.dtype == torch.float32
-    plan = _bwd_da_plan(x, R, has_dropout, seed, config, dh.dtype) if plan is None else plan
+    plan = bwd_da_plan(x, R, has_dropout, seed, config, dh.dtype) if plan is None else plan
     grid, split, tma, meta, meta_key = plan[:5]
     if da is None:
         da = (torch.empty if split == 1 else torch.zeros)((R, K), device=x.device, dtype=torch.float32)
     if tma and x.is_cuda:
         _ensure_allocator()
     xs = x.stride()
-    _launch_planned(_SITES["bwd_da"], plan, 5, grid, (
+    launch_planned(SITES["bwd_da"], plan, 5, grid, (
         dh, x, seed if has_dropout else x, da,
         M, K, R,
         xs[0], xs[1],
         float(dropout_p),
-    ), meta, meta_key, alike=alike and _aligned(dh, da))
+    ), meta, meta_key, alike=alike and aligned(dh, da))
     return da
 
 
-# (kernel, pointer args, int args): the launch sites key on those (see _launch)
-_SITES = {
-    "fwd_h": _launch.LaunchSite(_lora_linear_fwd_h_kernel, 4, 9),
-    "gemm": _launch.LaunchSite(_lora_linear_gemm_kernel, 11, 23),
-    "bwd_dy": _launch.LaunchSite(_lora_linear_bwd_dy_kernel, 5, 9),
-    "bwd_db": _launch.LaunchSite(_lora_linear_bwd_db_kernel, 2, 2),
-    "bwd_da": _launch.LaunchSite(_lora_linear_bwd_da_kernel, 4, 5),
+# (kernel, pointer args, int args): the launch sites key on those (see launch_sites)
+SITES = {
+    "fwd_h": launch_sites.LaunchSite(_lora_linear_fwd_h_kernel, 4, 9),
+    "gemm": launch_sites.LaunchSite(_lora_linear_gemm_kernel, 11, 23),
+    "bwd_dy": launch_sites.LaunchSite(_lora_linear_bwd_dy_kernel, 5, 9),
+    "bwd_db": launch_sites.LaunchSite(_lora_linear_bwd_db_kernel, 2, 2),
+    "bwd_da": launch_sites.LaunchSite(_lora_linear_bwd_da_kernel, 4, 5),
 }
 
 
@@ -422,12 +422,12 @@ def lora_linear_fwd_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: Optio
     fastaf's eager op path checks once at the public function: the checks here cost ~10 us of
     host time per call, which counts where M=2048 calls are host-bound. ``lead``: the Triton
     GEMM allocates y as (*lead, N) (the caller's leading dims, prod(lead) == M); cuBLAS's stays
-    (M, N). ``graphed``: the two Triton launches may replay from a CUDA graph (``_graphs``; the
-    eager op path sets it, whose outputs nothing else writes).
+    (M, N). ``graphed``: the two Triton launches may replay from a CUDA graph (``launch_graphs``;
+    the eager op path sets it, whose outputs nothing else writes).
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
-    choice = _choose(impl, "fwd", x, M, K, N, R)
-    if choice == "triton" and graphed and _graphs.usable(x):
+    choice = choose_impl(impl, "fwd", x, M, K, N, R)
+    if choice == "triton" and graphed and launch_graphs.usable(x):
         return _graphed_fwd(x, weight, bias, a, b, scale, dropout_p, seed, lead)
     if choice == "addmm":
         h = (_dropped(x, seed, dropout_p) if dropout_p > 0 else x) @ a.to(x.dtype).T  # (M, R)
@@ -444,13 +444,13 @@ def _graphed_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     h = torch.empty((M, R), device=x.device, dtype=x.dtype)
     y = torch.empty((*lead, N) if lead else (M, N), device=x.device, dtype=x.dtype)
     # every tensor the two launches read or write, and every float and flag they take
-    key = _graphs.call_key((x, weight, bias, a, b, seed, h, y), "fwd", scale, dropout_p, _tf32(x.dtype))
+    key = launch_graphs.call_key((x, weight, bias, a, b, seed, h, y), "fwd", scale, dropout_p, _tf32(x.dtype))
 
     def launch() -> None:
         fwd_h(x, a, dropout_p, seed, out=h)
         gemm(x, weight.T, h, b.T, bias, scale, 0.0, None, x.dtype, out=y)
 
-    _graphs.GRAPHS.run(key, x.get_device(), launch)
+    launch_graphs.GRAPHS.run(key, x.get_device(), launch)
     return y, h
 
 
@@ -494,10 +494,11 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     ``shared_grads``: da and db may be views of one buffer (one zero-fill launch less, ~15 us of
     host time per layer). Plain autograd takes them as they are; a custom op may not return
     outputs that share storage, so the registered ops leave it False. ``graphed`` (with
-    ``shared_grads``): the memset and the Triton launches may replay from a CUDA graph (``_graphs``).
+    ``shared_grads``): the memset and the Triton launches may replay from a CUDA graph
+    (``launch_graphs``).
     """
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
-    if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
+    if choose_impl(impl, "bwd", x, M, K, N, R) == "addmm":
         a, b = a.to(x.dtype), b.to(x.dtype)  # cuBLAS takes one dtype
         # addmm with beta=0 applies the scale in the GEMM's fp32 epilogue: one launch where
         # mm + mul_ took two (host time at launch-bound M) and one rounding instead of two.
@@ -516,9 +517,9 @@ def lora_linear_bwd_unchecked(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
         return dx, da, db
     # dh (when split over N) and da (when split over M) are atomically reduced: one memset for both.
     # The plans are made once here and handed down (each lookup is host time at launch-bound M).
-    dy_plan = _bwd_dy_plan(dy, b, h, None)
-    da_plan = _bwd_da_plan(x, R, dropout_p > 0, seed, None)
-    if graphed and shared_grads and _graphs.usable(x):
+    dy_plan = bwd_dy_plan(dy, b, h, None)
+    da_plan = bwd_da_plan(x, R, dropout_p > 0, seed, None)
+    if graphed and shared_grads and launch_graphs.usable(x):
         return _graphed_bwd(dy, x, weight, a, b, h, scale, dropout_p, seed, needs_dx, dy_plan, da_plan)
     db_rows = N if shared_grads and not dy_plan[1] else 0  # db atomically summed: zeroed with the rest
     work = (torch.zeros if dy_plan[2] > 1 or da_plan[1] > 1 or db_rows else torch.empty)(
@@ -543,8 +544,8 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
     gradients A.grad and B.grad, views of that buffer, would keep dh's M x R floats alive until
     they are zeroed. A second memset costs no host time inside a graph. It is allocated here, not
     inside the launches: made there (by the allocator when launching, from the graphs' pool when
-    capturing) it shifted the addresses of the calls after it from step to step, and on the H100
-    two GPU tests' loops never saw a key three times."""
+    capturing) it shifts the addresses of the calls after it from step to step, and on the H100
+    their keys then never recur three times."""
     (M, K), N, R = x.shape, weight.shape[0], a.shape[0]
     dev = x.device
     partials = dy_plan[1]
@@ -555,7 +556,7 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
     dh = torch.empty((M, R), device=dev, dtype=torch.float32)
     db_out = torch.empty((N, R), device=dev, dtype=b.dtype) if partials else None
     dx = torch.empty((M, K), device=dev, dtype=x.dtype) if needs_dx else None
-    key = _graphs.call_key((dy, x, weight, a, b, h, seed, work, dh, db_out, dx), "bwd", scale, dropout_p,
+    key = launch_graphs.call_key((dy, x, weight, a, b, h, seed, work, dh, db_out, dx), "bwd", scale, dropout_p,
                            _tf32(x.dtype))
 
     def launch() -> None:
@@ -569,7 +570,7 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
         if needs_dx:
             gemm(dy, weight, dh, a, None, 1.0, dropout_p, seed, x.dtype, out=dx)
 
-    _graphs.GRAPHS.run(key, dev.index, launch)
+    launch_graphs.GRAPHS.run(key, dev.index, launch)
     da = work[:R * K].view(R, K)
     db = db_out if partials else work[R * K:end].view(N, R)
     return (dx, da if a.dtype == torch.float32 else da.to(a.dtype),
@@ -583,7 +584,7 @@ def _graphed_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: tor
 # sibling alone would read x once more in forward and once more in backward. Each sibling's own
 # GEMM then takes its column slice of h (any strides). ``n`` and ``r`` are the first sibling's N
 # and rank: the dispatch follows the choice its own forward or backward would make at (M, K, n, r),
-# not the summed rank's (r=16 q/k/v at 48 once resolved to the r=64 entries). An eager group asks
+# not the summed rank's (r=16 q/k/v at 48 resolve to the r=64 entries). An eager group asks
 # every sibling (``lora_group.fits``); here the others' choices apply to their own GEMMs only.
 
 
@@ -591,7 +592,7 @@ def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, r: int, impl: str) -> tor
     """h = x @ a.T, (M, R) in x's dtype. x (M, K), a (R, K) the siblings' A stacked."""
     M, K = x.shape
     # cuBLAS where the dispatch says so, or where the summed rank is beyond the kernels' padding
-    if a.shape[0] > MAX_RANK or _choose(impl, "fwd", x, M, K, n, r) == "addmm":
+    if a.shape[0] > MAX_RANK or choose_impl(impl, "fwd", x, M, K, n, r) == "addmm":
         return x @ a.to(x.dtype).T  # cuBLAS takes one dtype
     return fwd_h(x, a, 0.0, None)
 
@@ -599,7 +600,7 @@ def shared_h(x: torch.Tensor, a: torch.Tensor, n: int, r: int, impl: str) -> tor
 def shared_da(dh: torch.Tensor, x: torch.Tensor, n: int, r: int, impl: str) -> torch.Tensor:
     """dA = dh.T @ x, (R, K) in fp32 (the kernel) or x's dtype (cuBLAS). dh (M, R) contiguous."""
     M, K = x.shape
-    if dh.shape[1] > MAX_RANK or _choose(impl, "bwd", x, M, K, n, r) == "addmm":
+    if dh.shape[1] > MAX_RANK or choose_impl(impl, "bwd", x, M, K, n, r) == "addmm":
         return torch.mm(dh.T, x)
     return bwd_da(dh.contiguous(), x, 0.0, None)  # the kernel takes dh's rows packed
 
@@ -610,14 +611,14 @@ def siblings_dx(dys: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], dh
 
     dys[i] (M, N_i); weights[i] (N_i, K); dh (M, R) any float dtype, a (R, K) the stacked A
     factors in any float dtype. Up to three siblings take one gemm launch (their K loops into one
-    tile, dx written once: 0.92x cuBLAS's mm per sibling and the later sum at the 1B q/k/v shapes,
-    ``diag-sibling-dx-s39``) where the dispatch gives the first sibling's backward to the kernels;
+    tile, dx written once: 0.92x cuBLAS's mm per sibling and the later sum at the 1B q/k/v shapes)
+    where the dispatch gives the first sibling's backward to the kernels;
     else cuBLAS sums into one buffer.
     """
     M, K = dys[0].shape[0], weights[0].shape[1]
     extra = list(zip(dys[1:], weights[1:]))
     if (a.shape[0] <= MAX_RANK and segments_fit(dys[0], weights[0], extra)
-            and _choose(impl, "bwd", dys[0], M, K, n, r) == "triton"):
+            and choose_impl(impl, "bwd", dys[0], M, K, n, r) == "triton"):
         return gemm(dys[0], weights[0], dh, a, None, 1.0, 0.0, None, dys[0].dtype, extra=extra)
     dtype = dys[0].dtype
     dx = torch.mm(dys[0], weights[0])
@@ -630,7 +631,7 @@ def given_h_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 b: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
     """y = x @ weight.T + bias + scale * h @ b.T, (M, N), with h (M, R) given (any strides)."""
     (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
-    return _up(_choose(impl, "fwd", x, M, K, N, R), x, weight, bias, h, b, scale)
+    return _up(choose_impl(impl, "fwd", x, M, K, N, R), x, weight, bias, h, b, scale)
 
 
 def given_h_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -641,7 +642,7 @@ def given_h_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, a: torc
     dA is left to ``shared_da``, once for all siblings; dh comes back in fp32 (kernel) or dy's dtype.
     """
     (M, K), N, R = x.shape, weight.shape[0], h.shape[1]
-    if _choose(impl, "bwd", x, M, K, N, R) == "addmm":
+    if choose_impl(impl, "bwd", x, M, K, N, R) == "addmm":
         a, b = a.to(dy.dtype), b.to(dy.dtype)  # cuBLAS takes one dtype
         dh = torch.addmm(h, dy, b, beta=0, alpha=scale)  # (M, R); beta=0: h only lends its shape
         db = torch.addmm(b, dy.T, h, beta=0, alpha=scale)  # (N, R)

@@ -17,8 +17,8 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int, factor_elt: int = 0
     tile the kernel pipelines beside them (fwd_h's a, bwd_dy's b), when it differs (fp32 masters).
     The skinny kernels' tiles grow with R_PAD, so a config tuned at r=16 can overflow at r=64:
     fwd_h 64x256 with 4 stages takes 4 * (64*256 + 64*256) * 2 = 262144 bytes at R_PAD=64 (H100
-    limit 232448), which a nearest-shape cache lookup once handed to an r=64 launch; fp32 factors
-    (a's tile twice as wide) overflowed the same way at r=48.
+    limit 232448), which a nearest-shape cache lookup can hand to an r=64 launch; fp32 factors
+    (a's tile twice as wide) overflow the same way at r=48.
     """
     st = conf["num_stages"]
     felt = factor_elt or elt
@@ -32,7 +32,7 @@ def smem_bytes(phase: str, conf: dict, r_pad: int, elt: int, factor_elt: int = 0
         return st * (conf["BLOCK_M"] * elt + r_pad * felt) * conf["BLOCK_K"]
     if phase == "bwd_dy":
         # An upper bound of what Triton 3.6 allocated on the H100 for 36 configs (r_pad 64-256,
-        # bf16 and fp32 b; bench/results/smem-probe-*.txt), exact at some, at most 1.8x over:
+        # bf16 and fp32 b), exact at some, at most 1.8x over:
         # num_stages - 1 buffers of the dy and b tiles, the fp32 (BLOCK_M, R_PAD) accumulator,
         # the db tile for the atomics. Counting b per stage with no accumulator passed r=128 to
         # launches that failed (245760 bytes).
@@ -87,42 +87,12 @@ def config_problem(conf: dict) -> str | None:
 def gemm_configs(elt: int = 2) -> list[dict]:
     """Pruned gemm configs for Hopper (228 KB shared memory per SM).
 
-    Tried and dropped on the H100 (triton 3.6):
-    - ``tl.range(..., flatten=True)`` over the tile loop (Triton's Hopper persistent-matmul
-      tutorial): its 128x256x64 / 256x128x64 3-stage configs ran out of shared memory and the
-      ones that fit never won at any BENCH.md shape.
-    - h = x @ a.T made inside the forward gemm (no fwd_h pass): the first tile of each row
-      block also accumulated x_tile @ a_tile.T in its K loop, stored h and set a ready flag
-      (release); the other tiles of the row waited on the flag (acquire) before their LoRA
-      dot; those first tiles were scheduled before all others. Correct on the GPU, but a
-      producer tile ran 1.20x a plain one at r=16 (every tile a producer: 90.0 vs 75.2 us;
-      its r / BLOCK_N share of the MMA work predicts 1.06x) and its a tiles push r=64 to 2
-      stages, so the first wave's wait ate the saved pass. Fused over
-      fwd_h + gemm, best config each: 1.00 at 8192x4096x4096 r=16, 0.98 at 8192x4096x14336
-      r=16, 1.09 at 2048x4096x4096 r=16, 1.11 and 1.09 at the two r=64 shapes
-      (bench/results/diag-fused-h-nvidia-h100-80gb-hbm3.json). Its spin-wait also deadlocks
-      when not every program is resident (MPS or green-context SM limits): not worth ~2% at
-      one shape.
-    - Two flags on the 128x256x64 tile: the h and u loads issued before the K loop instead of
-      after it, and y stored in two TMA halves so a 4th stage fits (229376 bytes). In one
-      interleaved CUDA-graph A/B over the 24 gemm shapes of the BENCH.md set at M >= 8192
-      (old picks against picks made with the flags in the search), neither moved our gemm's
-      ratio to cuBLAS beyond the +-2% noise; the 4-stage split store averaged ~1% slower.
-      (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json holds the first comparison.)
-    - At the Llama-3.2-1B shapes (M=8192; K, N in 2048, 512, 8192), where the K loop is short and
-      the tuned gemm runs 1.02-1.26x cuBLAS, two schedule flags: Triton's warp specialization of
-      the K loop (``tl.range(..., warp_specialize=True)``), and one program per tile instead of
-      the persistent loop (the GPU overlapping one program's epilogue with another's loads). Warp
-      specialization moved 128x256x64 by -1%..+1% and did not compile at 128x128x64 (triton 3.6's
-      NVGPUWarpSpecialization pass failed); one program per tile ran 1.00-1.20x the persistent
-      128x256x64, and 128x128x64 at 2-3 stages (two programs an SM) 1.3-2.1x cuBLAS
-      (bench/results/diag-gemm-1b-nvidia-h100-80gb-hbm3.json).
-    - Warp specialization of the persistent *tile* loop (triton 3.6 partitions it on Hopper: a
-      producer warp runs the TMA loads into the next tile while the consumers finish the
-      epilogue), every load (x, w, h, u) through descriptors, with and without flattening, a
-      split store, the LoRA dot ahead of the K loop: at the same 1B shapes no variant beat this
-      kernel; the best ("ws flat") ran 0.98-1.04x it (bench/diag_gemm_ws.py,
-      bench/results/diag-gemm-ws-s40-nvidia-h100-80gb-hbm3.json).
+    Measured not to help on the H100 (triton 3.6), within +-2% or slower at the Llama shapes:
+    flattening the tile loop (``tl.range(..., flatten=True)``), warp specialization of the K loop
+    or of the persistent tile loop, one program per tile instead of the persistent loop, the h
+    and u loads ahead of the K loop, a split TMA store for a 4th stage, and h = x @ a.T made
+    inside the forward gemm instead of by fwd_h (0.98-1.11x the two launches, and its cross-tile
+    spin-wait deadlocks when not every program is resident: MPS or green-context SM limits).
     """
 
     def keep(conf: dict) -> bool:
@@ -192,7 +162,7 @@ def bwd_da_configs() -> list[dict]:
 CONFIGS = {"gemm": gemm_configs, "fwd_h": fwd_h_configs, "bwd_dy": bwd_dy_configs, "bwd_da": bwd_da_configs}
 
 # Untuned defaults on CUDA. gemm: 128x256x64, 3 stages, 8 warps is the best Hopper bf16 config of
-# Triton's persistent-matmul tutorial and of the BENCH.md sweep (1.00-1.05x cuBLAS on H200).
+# Triton's persistent-matmul tutorial and of fastaf-tune's Llama-3-8B shapes (1.00-1.05x cuBLAS on H200).
 DEFAULTS = {
     "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     "gemm_plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),

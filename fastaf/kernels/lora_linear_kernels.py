@@ -136,7 +136,7 @@ def _lora_linear_gemm_kernel(
     x (M, K), w (K, N), h (M, R), u (R, N) by strides; y (M, N). Segment j of NUM_SEG: x_j
     (M, K_j) with unit stride on K_j, w_j (K_j, N) laid out as w is (W_K_CONTIG); siblings' dX
     = sum_j dy_j @ W_j + dh @ A is one launch, y written once. The LoRA dot runs after the K
-    loops so the main loop stays pipelined (BENCH.md: before the loop it halved the speed).
+    loops so the main loop stays pipelined (before the loop it halved the speed).
     USE_TMA needs unit stride on x's K, y's N and one of w's dims (W_K_CONTIG: w's K).
     """
     dtype = y_ptr.dtype.element_ty

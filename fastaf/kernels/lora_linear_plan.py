@@ -1,12 +1,12 @@
 """LoRA linear's launch planning: the config, grid and meta-parameters of a launch, and which
 implementation ``impl="auto"`` runs.
 
-``_config`` takes a launch's config from an override, the tuning cache (``_cache``) or the
+``launch_config`` takes a launch's config from an override, the tuning cache (``cache``) or the
 defaults (``lora_linear_configs``), fitted to shared memory. ``_plan`` memoizes a launcher's
-whole plan (grid, meta-parameters) per shape, and ``_choose`` the dispatch choice
-(``_dispatch``): the launchers run per layer per step, and a repeated shape costs a dict
+whole plan (grid, meta-parameters) per shape, and ``choose_impl`` the dispatch choice
+(``dispatch``): the launchers run per layer per step, and a repeated shape costs a dict
 lookup. ``clear_memos`` forgets all of them after the tuning cache changed. Under
-``torch.use_deterministic_algorithms(True)`` ``_choose`` sends every backward to cuBLAS: the
+``torch.use_deterministic_algorithms(True)`` ``choose_impl`` sends every backward to cuBLAS: the
 Triton backward reduces with fp32 atomics.
 """
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Any, Optional
 
 import torch
 
-from fastaf.kernels import _cache, _dispatch
-from fastaf.kernels._device import _device_info, _hopper, _smem_limit, available
+from fastaf import _config
+from fastaf.kernels import cache, dispatch
+from fastaf.kernels.hardware import _device_info, _hopper, available, smem_limit
 from fastaf.kernels.lora_linear_configs import (DEFAULTS, DEFAULTS_FP32, INTERPRET, MAX_RANK, _INTERPRET_PROGRAMS,
                                                 config_problem, fit, fit_smaller)
 
 
-def _r_pad(r: int) -> int:
+def padded_rank(r: int) -> int:
     """tl.dot's minimum of 16, else the next power of two (plain ints: triton.next_power_of_2 is a
     constexpr function in triton 3.6, a few us per host call)."""
     return max(16, 1 << (r - 1).bit_length())
@@ -38,7 +39,7 @@ def _key(**kw: Any) -> dict:
     return {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v) for k, v in kw.items()}
 
 
-def _gemm_key(M: int, N: int, K: int, R: int, dtype: torch.dtype, w_kn: torch.Tensor) -> dict:
+def gemm_key(M: int, N: int, K: int, R: int, dtype: torch.dtype, w_kn: torch.Tensor) -> dict:
     """Cache key of the gemm; ``layout`` tells w's unit-stride dim ("nk": K, as weight.T in forward)."""
     return _key(M=M, N=N, K=K, R=R, dtype=dtype, layout="nk" if w_kn.stride(0) == 1 else "kn")
 
@@ -48,10 +49,10 @@ _choice_memo: dict[tuple, str] = {}
 _plan_memo: dict[tuple, tuple] = {}
 # a launcher's whole plan and launched kernel per call signature (shapes, strides, dtypes, flags
 # of 16-byte-aligned operands): [grid, ..., LaunchSite entry or None], one lookup per launch
-_call_memo: dict[tuple, list] = {}
+call_memo: dict[tuple, list] = {}
 
 
-_MEMOS: list[dict] = []  # other kernel families' plan memos built from _config (lora_multi's)
+_MEMOS: list[dict] = []  # other kernel families' plan memos built from launch_config (lora_multi's)
 
 
 def clear_memos() -> None:
@@ -59,16 +60,16 @@ def clear_memos() -> None:
     _config_memo.clear()
     _choice_memo.clear()
     _plan_memo.clear()
-    _call_memo.clear()
-    from fastaf.kernels import _graphs  # graphs captured with the old configs: captured anew
+    call_memo.clear()
+    from fastaf.kernels import launch_graphs  # launch_graphs captured with the old configs: captured anew
 
-    _graphs.GRAPHS.clear()
+    launch_graphs.GRAPHS.clear()
     for memo in _MEMOS:
         memo.clear()
-    _cache.forget()
+    cache.forget()
 
 
-def _config(phase: str, device: torch.device, key: dict, override: Optional[dict] = None) -> dict:
+def launch_config(phase: str, device: torch.device, key: dict, override: Optional[dict] = None) -> dict:
     """Override, else the tuning cache's nearest entry, else the default for ``phase``.
 
     A cached config may predate a meta-parameter (USE_TMA, DB_PARTIAL): the default fills it in.
@@ -86,7 +87,7 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
     memo_key = (phase, device.index, tuple(sorted(key.items())))
     conf = _config_memo.get(memo_key)
     if conf is None:
-        entry = _cache.lookup("kernels", f"lora_linear.{phase}", key)
+        entry = cache.lookup("kernels", f"lora_linear.{phase}", key)
         conf = entry["config"] if entry is not None and isinstance(entry.get("config"), dict) else phase_default
         # the default's keys exactly: it fills in a meta-parameter the entry predates, and a key
         # this version's kernel does not take (a cache from another fastaf) is dropped
@@ -97,7 +98,7 @@ def _config(phase: str, device: torch.device, key: dict, override: Optional[dict
                           f"{key}: {problem}; using the default", stacklevel=2)
             conf, entry = dict(phase_default), None
         if entry is None or entry.get("key") != key:  # borrowed from another shape: may not fit this one
-            sizes = dict(r_pad=_r_pad(key.get("R", 1)), elt=_elt(key.get("dtype")), limit=_smem_limit(device))
+            sizes = dict(r_pad=padded_rank(key.get("R", 1)), elt=_elt(key.get("dtype")), limit=smem_limit(device))
             conf = (fit(phase, conf, **sizes) or fit(phase, phase_default, **sizes)
                     or fit_smaller(phase, phase_default, **sizes) or phase_default)
         _config_memo[memo_key] = conf
@@ -117,15 +118,15 @@ def _plan(memo_key: Optional[tuple], build) -> tuple:
 def _call_plan(call: Optional[tuple], build, slots: int = 1) -> list:
     """The plan of a launcher's call with signature ``call`` (None: not memoized), made by
     ``build()`` on a miss and memoized with ``slots`` trailing places for the kernels launched."""
-    plan = _call_memo.get(call) if call is not None else None
+    plan = call_memo.get(call) if call is not None else None
     if plan is None:
         plan = [*build(), *(None,) * slots]
         if call is not None:
-            _call_memo[call] = plan
+            call_memo[call] = plan
     return plan
 
 
-def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
     """Every given tensor starts on a 16-byte boundary (what Triton specializes pointers on)."""
     bits = 0
     for t in tensors:
@@ -139,7 +140,7 @@ def _meta(**meta: Any) -> tuple[dict, tuple]:
     return meta, tuple(meta.items())
 
 
-def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: int) -> str:
+def choose_impl(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: int) -> str:
     if impl == "triton":
         if not available(x):
             raise RuntimeError(f"lora_linear: impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1, "
@@ -147,25 +148,26 @@ def _choose(impl: str, phase: str, x: torch.Tensor, M: int, K: int, N: int, R: i
         if R > MAX_RANK:
             raise ValueError(f"lora_linear: the Triton path supports rank <= {MAX_RANK}, got {R}")
         if phase == "bwd":  # alerts in deterministic mode
-            _dispatch.atomics_ok(impl, lambda: f"lora_linear's backward at M={M}, K={K}, N={N}, R={R}")
+            dispatch.atomics_ok(impl, lambda: f"lora_linear's backward at M={M}, K={K}, N={N}, R={R}")
         return "triton"
     if impl not in ("auto", "addmm"):
         raise ValueError(f"lora_linear: impl must be 'auto', 'triton' or 'addmm', got {impl!r}")
     if impl == "addmm" or not x.is_cuda or R > MAX_RANK:
         return "addmm"
-    if phase == "bwd" and not _dispatch.atomics_ok(impl, "lora_linear's backward"):
+    if phase == "bwd" and not dispatch.atomics_ok(impl, "lora_linear's backward"):
         # the Triton backward sums dA, dB and dh with fp32 atomics, in an order that changes from
         # run to run; cuBLAS's backward gives the same bits every run (torch's deterministic mode)
         return "addmm"
-    if _dispatch.OVERRIDE is not None:
-        return _dispatch.OVERRIDE
+    forced = _config.flags().dispatch
+    if forced != "measured":
+        return forced
     # memoized: the cache lookup cost ~0.1 ms of host time per call, which doubled the
     # launch-bound M=2048 K=N=4096 forward (1.98x vs 1.21x base on H200)
     memo_key = (phase, x.device.index, M, K, N, R, x.dtype)
     choice = _choice_memo.get(memo_key)
     if choice is None:
         gpu = _device_info(x.device.index)[0]
-        choice = _dispatch.choose("lora_linear", phase, _key(M=M, K=K, N=N, R=R, dtype=x.dtype), gpu)
+        choice = dispatch.choose("lora_linear", phase, _key(M=M, K=K, N=N, R=R, dtype=x.dtype), gpu)
         _choice_memo[memo_key] = choice
     return choice
 
@@ -200,11 +202,11 @@ def _skinny_conf(phase: str, dev: torch.device, key: dict, config: Optional[dict
     stages are lowered to fit it, and where even two stages overflow the factor must come in x's
     dtype (False: the launcher casts it, one small launch).
     """
-    conf = _config(phase, dev, key, config)
+    conf = launch_config(phase, dev, key, config)
     factor_fits = True
     elt = _elt(key["dtype"])
     if factor is not None and _elt(factor) > elt and config is None and dev.type == "cuda":
-        fitted = fit(phase, conf, _r_pad(key["R"]), elt, _smem_limit(dev), _elt(factor))
+        fitted = fit(phase, conf, padded_rank(key["R"]), elt, smem_limit(dev), _elt(factor))
         conf, factor_fits = (fitted, True) if fitted is not None else (conf, False)
     tma = bool(conf.get("USE_TMA", 0)) and tma_ok and _hopper(dev)
     return conf, tma, {k: v for k, v in conf.items() if k not in flags}, factor_fits

@@ -31,14 +31,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from . import _launch
-from .lora_linear_kernels import _tile_coords
-from ._device import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _smem_limit, _tma_2d, available
+from fastaf import _config
+
+from . import launch_sites
+from .lora_multi_kernels import (_multi_dfactor_kernel, _multi_dh_kernel, _multi_expand_kernel, _multi_gemm_kernel,
+                                 _multi_h_kernel)
+from .hardware import _device_info, _ensure_allocator, _hopper, _rows_tma_ready, _tma_2d, available, smem_limit
 from .lora_linear_configs import MAX_RANK
-from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta, _r_pad, _tf32
+from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, gemm_key, launch_config, padded_rank
 
 # ----------------------------------------------------------------------------------------------
 # Configs
@@ -46,9 +47,8 @@ from .lora_linear_plan import _MEMOS, _config, _dot_precision, _gemm_key, _meta,
 
 INTERPRET_BLOCKS = dict(BLOCK_K=32, BLOCK_N=16)  # small tiles: odd shapes exercise every tail
 # The segment kernels' tiles along K and N, reductions split until FILL programs per SM, and their
-# warps: best or within 0.3 us of it at every bench_multi case on the H100 (`bench/diag_multi.py
-# --sweep`, bench/results/diag-multi-sweep-*.txt: 64 x 64 h 11.9 us over 32 MB of x, decode h 5.9
-# and expand 4.4 us over 8 MB of factors each).
+# warps: best or within 0.3 us of it at every bench/multi.py case on the H100 (64 x 64 h 11.9 us
+# over 32 MB of x, decode h 5.9 and expand 4.4 us over 8 MB of factors each).
 CUDA_BLOCKS = dict(BLOCK_K=128, BLOCK_N=128)
 FILL = 2
 WARPS = 4
@@ -63,7 +63,7 @@ def _block_m(S: int) -> int:
     """Rows per block: the segment length rounded up to tl.dot's 16, at most 64 (the skinny
     kernels' (BLOCK_M, R_PAD) accumulators and tiles stay in registers; lora_linear's fwd_h and
     dh defaults use 64 as well)."""
-    return min(64, _r_pad(S))
+    return min(64, padded_rank(S))
 
 
 def _blocks(device: torch.device) -> dict:
@@ -79,249 +79,16 @@ def _splits(device: torch.device, programs: int, steps: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _segment_program():
-    """(segment, block, split) program ids: every segment kernel's grid is laid out this way."""
-    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
-
-
-@triton.jit
-def _multi_h_kernel(
-    # pointers
-    x_ptr, a_ptr, ids_ptr, h_ptr,
-    # sizes
-    S, K, R,
-    # strides (h is contiguous fp32 (T, R))
-    stride_xm, stride_xk, stride_ag, stride_ar, stride_ak,
-    # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """h[rows] = x[rows] @ A[g].T for one block of one segment and one of SPLIT_K chunks of K.
-
-    SPLIT_K > 1 adds the chunks atomically into a zeroed h (-1 segments leave it at zero).
-    """
-    seg, pid_m, pid_k = _segment_program()
-    slot = tl.load(ids_ptr + seg).to(tl.int64)
-    offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = seg.to(tl.int64) * S + offs_s
-    offs_r = tl.arange(0, R_PAD)
-    mask = (offs_s[:, None] < S) & (offs_r[None, :] < R)
-    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    if slot >= 0:
-        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_end = tl.minimum(pid_k * chunk + chunk, K)
-        a_base = a_ptr + slot * stride_ag
-        for k0 in range(pid_k * chunk, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk,
-                        mask=(offs_s[:, None] < S) & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-            at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                         mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
-            acc = tl.dot(x, at.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    ptrs = h_ptr + rows[:, None] * R + offs_r[None, :]
-    if SPLIT_K == 1:  # every row stored, zeros for -1 segments: h needs no memset
-        tl.store(ptrs, acc, mask=mask)
-    elif slot >= 0:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _multi_expand_kernel(
-    # pointers
-    h_ptr, u_ptr, ids_ptr, y_ptr,
-    # sizes
-    S, N, R,
-    # strides (h contiguous fp32 (T, R); u (n, R, N) by strides; y (T, N))
-    stride_ug, stride_ur, stride_un, stride_ym, stride_yn,
-    # scalars
-    scale,
-    # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """y[rows, n-block] += s * h[rows] @ u[g][:, n-block] in place; -1 segments are left alone."""
-    seg, pid_m, pid_n = _segment_program()
-    slot = tl.load(ids_ptr + seg).to(tl.int64)
-    if slot >= 0:
-        dtype = y_ptr.dtype.element_ty
-        offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = seg.to(tl.int64) * S + offs_s
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_r = tl.arange(0, R_PAD)
-        mask_m = offs_s < S
-        mask_n = offs_n < N
-        h = tl.load(h_ptr + rows[:, None] * R + offs_r[None, :],
-                    mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0)  # (BLOCK_M, R_PAD) fp32
-        u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
-                    mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
-        y = tl.load(y_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        y = tl.dot((h * scale).to(dtype), u.to(dtype), y, input_precision=DOT_PRECISION)
-        tl.store(y_ptrs, y.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _multi_dh_kernel(
-    # pointers
-    dy_ptr, b_ptr, ids_ptr, dh_ptr,
-    # sizes
-    S, N, R,
-    # strides (dh contiguous fp32 (T, R), zeroed)
-    stride_dym, stride_dyn, stride_bg, stride_bn, stride_br,
-    # scalars
-    scale,
-    # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dh[rows] (+)= s * dy[rows] @ B[g] over one of SPLIT_N chunks of N (atomics into a zeroed dh
-    when split)."""
-    seg, pid_m, pid_s = _segment_program()
-    slot = tl.load(ids_ptr + seg).to(tl.int64)
-    offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = seg.to(tl.int64) * S + offs_s
-    offs_r = tl.arange(0, R_PAD)
-    mask_m = offs_s < S
-    mask_r = offs_r < R
-    dh = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    if slot >= 0:
-        chunk = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT_N) * BLOCK_N
-        n_end = tl.minimum(pid_s * chunk + chunk, N)
-        for n0 in range(pid_s * chunk, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < n_end
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :].to(tl.int64) * stride_dyn,
-                         mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_M, BLOCK_N)
-            b = tl.load(b_ptr + slot * stride_bg + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                        mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, R_PAD)
-            dh = tl.dot(dy, b.to(dy.dtype), dh, input_precision=DOT_PRECISION)
-    dh_ptrs = dh_ptr + rows[:, None] * R + offs_r[None, :]
-    if SPLIT_N == 1:  # every row stored, zeros for -1 segments: dh needs no memset
-        tl.store(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :])
-    elif slot >= 0:
-        tl.atomic_add(dh_ptrs, dh * scale, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
-
-
-@triton.jit
-def _multi_dfactor_kernel(
-    # pointers
-    lhs_ptr, rhs_ptr, ids_ptr, out_ptr,
-    # sizes (C: the output's column count, blocked; R: the rank)
-    S, NSEG, C, R,
-    # strides (lhs (T, C) by strides; rhs contiguous fp32 (T, R); out (n, ...) by strides)
-    stride_lm, stride_lc, stride_og, stride_oc, stride_or,
-    # scalars
-    scale,
-    # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, ID_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One slot's factor gradient over one column block, summed over the segments that use it:
-
-        out[g][c-block, :] = s * sum_{rows of g's segments} lhs[rows, c-block].T @ rhs[rows]
-
-    dB[g] (N, R) is (lhs, rhs) = (dy, h); dA[g].T (K, R) is (x, dh). Each (slot, block) has one
-    program, so the sum needs no atomics and is stored once in the output's dtype (a slot no
-    segment uses gets zeros).
-    """
-    slot = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, R_PAD)
-    mask_c = offs_c < C
-    mask_r = offs_r < R
-    acc = tl.zeros((BLOCK_C, R_PAD), dtype=tl.float32)
-    for c0 in range(0, NSEG, ID_CHUNK):
-        # one vector load of ID_CHUNK ids, then a walk over the hits only (not NSEG dependent loads)
-        offs_i = c0 + tl.arange(0, ID_CHUNK)
-        hits = tl.where(tl.load(ids_ptr + offs_i, mask=offs_i < NSEG, other=-1) == slot, offs_i, NSEG)
-        seg = tl.min(hits, axis=0)
-        while seg < NSEG:
-            for s0 in range(0, S, BLOCK_M):
-                offs_s = s0 + tl.arange(0, BLOCK_M)
-                rows = (seg * S + offs_s).to(tl.int64)  # seg * S < T < 2**31
-                mask_m = offs_s < S
-                lhs = tl.load(lhs_ptr + rows[:, None] * stride_lm + offs_c[None, :].to(tl.int64) * stride_lc,
-                              mask=mask_m[:, None] & mask_c[None, :], other=0.0)  # (BLOCK_M, BLOCK_C)
-                rhs = tl.load(rhs_ptr + rows[:, None] * R + offs_r[None, :],
-                              mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R_PAD)
-                acc = tl.dot(tl.trans(lhs), rhs.to(lhs.dtype), acc, input_precision=DOT_PRECISION)
-            hits = tl.where(hits == seg, NSEG, hits)
-            seg = tl.min(hits, axis=0)
-    tl.store(out_ptr + slot.to(tl.int64) * stride_og + offs_c[:, None] * stride_oc + offs_r[None, :] * stride_or,
-             (acc * scale).to(out_ptr.dtype.element_ty), mask=mask_c[:, None] & mask_r[None, :])
-
-
-@triton.jit
-def _multi_gemm_kernel(
-    # pointers
-    x_ptr, w_ptr, h_ptr, u_ptr, ids_ptr, bias_ptr, y_ptr,
-    # sizes
-    M, N, K, R, S, NSEG,
-    # strides (h contiguous fp32 (M, R); u (n, R, N) by strides; w's row stride, its other unit)
-    stride_xm, stride_w, stride_ug, stride_ur, stride_un, stride_ym,
-    # scalars
-    NUM_PROGRAMS, l_scale,
-    # meta
-    HAS_BIAS: tl.constexpr, W_K_CONTIG: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Persistent y = x @ w + [bias] + s * h @ u[g] per segment, TMA tiles: the base GEMM once for
-    every row, then one (BLOCK_M, R_PAD) @ (R_PAD, BLOCK_N) dot per segment the tile meets."""
-    dtype = y_ptr.dtype.element_ty
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if W_K_CONTIG:  # w (N, K) row-major: load (BLOCK_N, BLOCK_K) tiles and transpose
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:  # w (K, N) row-major
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[stride_w, 1], block_shape=[BLOCK_K, BLOCK_N])
-    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
-    offs_r = tl.arange(0, R_PAD)
-    for tile_id in range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if W_K_CONTIG:
-                wt = w_desc.load([off_n, k0]).T
-            else:
-                wt = w_desc.load([k0, off_n])
-            acc = tl.dot(x_desc.load([off_m, k0]), wt, acc, input_precision=DOT_PRECISION)
-        offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        seg_end = tl.minimum((off_m + BLOCK_M - 1) // S, NSEG - 1)
-        for seg in range(off_m // S, seg_end + 1):
-            slot = tl.load(ids_ptr + seg).to(tl.int64)
-            if slot >= 0:
-                rows = (offs_m >= seg * S) & (offs_m < seg * S + S)
-                h = tl.load(h_ptr + offs_m[:, None] * R + offs_r[None, :],
-                            mask=rows[:, None] & (offs_r[None, :] < R), other=0.0)
-                u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur
-                            + offs_n[None, :].to(tl.int64) * stride_un,
-                            mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)
-                acc = tl.dot((h * l_scale).to(dtype), u.to(dtype), acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
-        y_desc.store([off_m, off_n], acc.to(dtype))
-
-
-# ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-# (kernel, pointer args, int args): see _launch
-_SITES = {
-    "h": _launch.LaunchSite(_multi_h_kernel, 4, 8),
-    "expand": _launch.LaunchSite(_multi_expand_kernel, 4, 8),
-    "dh": _launch.LaunchSite(_multi_dh_kernel, 4, 8),
-    "dfactor": _launch.LaunchSite(_multi_dfactor_kernel, 4, 9),
-    "gemm": _launch.LaunchSite(_multi_gemm_kernel, 7, 13),
+# (kernel, pointer args, int args): see launch_sites
+SITES = {
+    "h": launch_sites.LaunchSite(_multi_h_kernel, 4, 8),
+    "expand": launch_sites.LaunchSite(_multi_expand_kernel, 4, 8),
+    "dh": launch_sites.LaunchSite(_multi_dh_kernel, 4, 8),
+    "dfactor": launch_sites.LaunchSite(_multi_dfactor_kernel, 4, 9),
+    "gemm": launch_sites.LaunchSite(_multi_gemm_kernel, 7, 13),
 }
 
 
@@ -342,10 +109,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _common(dtype: torch.dtype, R: int) -> dict:
-    return dict(R_PAD=_r_pad(R), DOT_PRECISION=_dot_precision(dtype))
+    return dict(R_PAD=padded_rank(R), DOT_PRECISION=_dot_precision(dtype))
 
 
-def _fitted(tiles, stages: int, block: int, limit: int) -> tuple[int, int]:
+def fit_tiles(tiles, stages: int, block: int, limit: int) -> tuple[int, int]:
     """(num_stages, block) whose pipelined tiles, ``stages * tiles(block)`` bytes, fit ``limit``:
     stages lowered to 2 first, then the reduction block halved (not below 16).
 
@@ -373,8 +140,8 @@ def _split_plan(name: str, dev: torch.device, dtype: torch.dtype, factor: torch.
     plan = _plans.get(memo)
     if plan is None:
         bm = _block_m(S)
-        per_col = bm * dtype.itemsize + _r_pad(R) * factor.itemsize
-        stages, bl = _fitted(lambda b: per_col * b, 3, _blocks(dev)[block], _smem_limit(dev))
+        per_col = bm * dtype.itemsize + padded_rank(R) * factor.itemsize
+        stages, bl = fit_tiles(lambda b: per_col * b, 3, _blocks(dev)[block], smem_limit(dev))
         split = _splits(dev, n_seg * _cdiv(S, bm), _cdiv(L, bl))
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), split), *_meta(
             BLOCK_M=bm, **{block: bl, "SPLIT_" + block[-1]: split}, num_warps=WARPS, num_stages=stages,
@@ -394,7 +161,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     S = T // n_seg
     grid, meta, key = _split_plan("h", x.device, x.dtype, a.dtype, S, n_seg, K, R, "BLOCK_K")
     h = _rank_rows(T, R, grid, x.device)
-    _SITES["h"](grid, (x, a, ids, h, S, K, R, x.stride(0), x.stride(1), *a.stride()), meta, key)
+    SITES["h"](grid, (x, a, ids, h, S, K, R, x.stride(0), x.stride(1), *a.stride()), meta, key)
     return h
 
 
@@ -410,11 +177,11 @@ def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), _cdiv(N, bn)), *_meta(
             BLOCK_M=bm, BLOCK_N=bn, num_warps=WARPS, num_stages=2, **_common(y.dtype, R)))
     grid, meta, key = plan
-    _SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
+    SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
     return y
 
 
-def _fused_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
+def fused_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
     """The persistent TMA GEMM can run: Hopper (or the interpreter), 16-byte rows everywhere."""
     return (_hopper(x.device) and _rows_tma_ready(x) and (_tma_2d(w_kn, 0) or _tma_2d(w_kn, 1))
             and (w_kn.shape[1] * x.element_size()) % 16 == 0)
@@ -428,19 +195,22 @@ def _epilogue_fits(x: torch.Tensor, w_kn: torch.Tensor, u: torch.Tensor) -> bool
     memo = ("epilogue", dev, x.dtype, u.dtype, T, N, K, R)
     fits = _plans.get(memo)
     if fits is None:
-        conf = _config("gemm", dev, _gemm_key(T, N, K, R, x.dtype, w_kn))
-        r_pad = _r_pad(R)
+        conf = launch_config("gemm", dev, gemm_key(T, N, K, R, x.dtype, w_kn))
+        r_pad = padded_rank(R)
         fits = _plans[memo] = (conf["BLOCK_M"] * r_pad * 4 + r_pad * conf["BLOCK_N"] * u.element_size()
-                               <= _smem_limit(dev))
+                               <= smem_limit(dev))
     return fits
 
 
 def _fuse(x: torch.Tensor, w_kn: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> bool:
     """The dispatch between the fused GEMM and cuBLAS + the expand kernel (FUSE_MIN_*, and the
     fused epilogue's tiles fitting shared memory: up to rank 128). u (n, R, N) as in fused_gemm."""
+    forced = _config.flags().multi_fuse  # benchmarks time both paths in one process
+    if forced == "unfused":
+        return False
     T = x.shape[0]
-    return (T >= FUSE_MIN_ROWS and T // ids.shape[0] >= FUSE_MIN_SEGMENT and _fused_ok(x, w_kn)
-            and _epilogue_fits(x, w_kn, u))
+    measured = forced == "fused" or (T >= FUSE_MIN_ROWS and T // ids.shape[0] >= FUSE_MIN_SEGMENT)
+    return measured and fused_ok(x, w_kn) and _epilogue_fits(x, w_kn, u)
 
 
 def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor], h: torch.Tensor,
@@ -455,7 +225,7 @@ def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor]
     memo = ("gemm", dev, x.dtype, _tf32(x.dtype), T, N, K, R, k_contig, bias is not None)
     plan = _plans.get(memo)
     if plan is None:
-        conf = _config("gemm", dev, _gemm_key(T, N, K, R, x.dtype, w_kn))  # lora_linear's tuned tiles
+        conf = launch_config("gemm", dev, gemm_key(T, N, K, R, x.dtype, w_kn))  # lora_linear's tuned tiles
         tiles = _cdiv(T, conf["BLOCK_M"]) * _cdiv(N, conf["BLOCK_N"])
         programs = max(1, min(tiles, 2 if dev.type != "cuda" else _device_info(dev.index)[1]))
         plan = _plans[memo] = ((programs,), *_meta(HAS_BIAS=bias is not None, W_K_CONTIG=k_contig, **conf,
@@ -464,7 +234,7 @@ def fused_gemm(x: torch.Tensor, w_kn: torch.Tensor, bias: Optional[torch.Tensor]
     y = torch.empty((T, N), device=dev, dtype=x.dtype)
     if x.is_cuda:
         _ensure_allocator()
-    _SITES["gemm"](grid, (
+    SITES["gemm"](grid, (
         x, w_kn, h, u, ids, x if bias is None else bias, y,
         T, N, K, R, T // ids.shape[0], ids.shape[0], x.stride(0), w_kn.stride(1 if k_contig else 0), *u.stride(),
         y.stride(0), grid[0], float(scale)), meta, key)
@@ -493,15 +263,15 @@ def _dfactor(lhs: torch.Tensor, rhs: torch.Tensor, ids: torch.Tensor, out: torch
     if plan is None:
         bm = _block_m(S)
         # per step: a (BLOCK_M, BLOCK_C) tile of lhs and a (BLOCK_M, R_PAD) fp32 tile of rhs
-        stages, bc = _fitted(lambda c: bm * (c * lhs.element_size() + _r_pad(R) * 4), 3,
-                             _blocks(lhs.device)["BLOCK_N"], _smem_limit(lhs.device))
+        stages, bc = fit_tiles(lambda c: bm * (c * lhs.element_size() + padded_rank(R) * 4), 3,
+                             _blocks(lhs.device)["BLOCK_N"], smem_limit(lhs.device))
         plan = _plans[memo] = ((out.shape[0], _cdiv(C, bc)), *_meta(
             # ids scanned 64 at a time: one vector load each; a popular slot's segments are summed by
             # one program per block (skewed ids serialise there: a known cost, not measured)
-            BLOCK_M=bm, BLOCK_C=bc, ID_CHUNK=min(64, _r_pad(n_seg)), num_warps=WARPS, num_stages=stages,
+            BLOCK_M=bm, BLOCK_C=bc, ID_CHUNK=min(64, padded_rank(n_seg)), num_warps=WARPS, num_stages=stages,
             **_common(lhs.dtype, R)))
     grid, meta, key = plan
-    _SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
+    SITES["dfactor"](grid, (lhs, rhs, ids, out, S, n_seg, C, R, lhs.stride(0), lhs.stride(1), *out.stride(),
                              float(scale)), meta, key)
     return out
 
@@ -513,7 +283,7 @@ def _dh(dy: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, scale: float) -> t
     S = T // n_seg
     grid, meta, key = _split_plan("dh", dy.device, dy.dtype, b.dtype, S, n_seg, N, R, "BLOCK_N")
     dh = _rank_rows(T, R, grid, dy.device)
-    _SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
+    SITES["dh"](grid, (dy, b, ids, dh, S, N, R, dy.stride(0), dy.stride(1), *b.stride(), float(scale)), meta, key)
     return dh
 
 

@@ -3,10 +3,10 @@
 For each (M tokens, K in, N out, R rank) it times every pruned config of each kernel phase of
 ``lora_linear`` (gemm forward, gemm dx, fwd_h, bwd_dy, bwd_da) once with
 ``triton.testing.do_bench`` (median), re-times the three fastest in interleaved rounds and keeps
-the best (``_best``), then times the fused path against the cuBLAS+addmm path for the forward
-and the backward, each on both sides: the GPU time of its launches alone (``_captured``) and the
-host time of a call as the eager op makes it (``_host_ms``), which ``_dispatch.decide`` weighs. Results go to the
-tuning cache (``_cache``), keyed by GPU name and triton version.
+the best (``best_config``), then times the fused path against the cuBLAS+addmm path for the
+forward and the backward, each on both sides: the GPU time of its launches alone (``_captured``)
+and the host time of a call as the eager op makes it (``_host_ms``), which ``dispatch.decide``
+weighs. Results go to the tuning cache (``cache``), keyed by GPU name and triton version.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from fastaf.kernels import _cache, _dispatch, _graphs
+from fastaf.kernels import cache, dispatch, launch_graphs
 from fastaf.kernels import lora_linear as ll
-from fastaf.kernels._device import _smem_limit, _tma_ready
+from fastaf.kernels.hardware import _tma_ready, smem_limit
 from fastaf.kernels.lora_linear_configs import bwd_da_configs, bwd_dy_configs, fwd_h_configs, gemm_configs, smem_bytes
-from fastaf.kernels.lora_linear_plan import _gemm_key, _key, _r_pad, clear_memos
+from fastaf.kernels.lora_linear_plan import _key, clear_memos, gemm_key, padded_rank
 
-# (K, N) of Llama-3-8B attention and MLP, as in BENCH.md.
+# (K, N) of Llama-3-8B attention and MLP: fastaf-tune's default shapes.
 BENCH_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 BENCH_TOKENS = [2048, 8192, 16384]
 BENCH_RANKS = [16, 64]
@@ -55,7 +55,7 @@ def shapes_from_model_config(cfg: dict) -> list[tuple[str, int, int]]:
     return out
 
 
-def _bench(fn: Callable[[], object], rep_ms: int) -> float:
+def median_ms(fn: Callable[[], object], rep_ms: int) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=max(2, rep_ms // 4), rep=rep_ms, return_mode="median")
@@ -69,7 +69,7 @@ def _bench_interleaved(fns: dict[str, Callable[[], object]], rep_ms: int, rounds
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(_bench(fn, rep_ms))
+            times[name].append(median_ms(fn, rep_ms))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -94,7 +94,7 @@ def _captured(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
 def _host_ms(fn: Callable[[], object], calls: int = 20, rounds: int = 3) -> float:
     """Host time of one call of ``fn`` (ms): ``calls`` calls queued behind a GPU sleep, so none
     waits on the device; the least of ``rounds`` (the host's noise only adds)."""
-    for _ in range(4):  # warm: a launch graph is captured at a call's third sighting (_graphs)
+    for _ in range(4):  # warm: a launch graph is captured at a call's third sighting (launch_graphs)
         fn()
     best = float("inf")
     for _ in range(rounds):
@@ -108,17 +108,17 @@ def _host_ms(fn: Callable[[], object], calls: int = 20, rounds: int = 3) -> floa
     return best
 
 
-def _best(name: str, configs: list[dict], run: Callable[[dict], object], rep_ms: int,
+def best_config(name: str, configs: list[dict], run: Callable[[dict], object], rep_ms: int,
           finalists: int = 3) -> tuple[dict, float]:
     """The fastest config: one quick timing each, then the ``finalists`` fastest re-timed in
     interleaved rounds (``_bench_interleaved``). One timing each is the screen only: on the H100
-    it once crowned a 128x128 5-stage dX gemm that re-measured 1.33x cuBLAS where a 128x256 tile
-    ran 1.04x (bench/results/diag-gemm-nvidia-h100-80gb-hbm3.json), the GPU's clock drift between
-    two configs' blocks being as large as their difference."""
+    a single timing picked a 128x128 5-stage dX gemm that re-measured 1.33x cuBLAS where a 128x256
+    tile ran 1.04x, the GPU's clock drift between two configs' blocks being as large as their
+    difference."""
     screened = []
     for i, conf in enumerate(configs):
         try:
-            screened.append((_bench(lambda: run(conf), rep_ms), i))
+            screened.append((median_ms(lambda: run(conf), rep_ms), i))
         except Exception as err:  # out of resources etc.: skip the config, never the shape
             print(f"    {name} {conf}: failed ({type(err).__name__})", flush=True)
     if not screened:
@@ -145,14 +145,14 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
     dt = _key(dtype=dtype)["dtype"]
     elt = x.element_size()
 
-    limit = _smem_limit(x.device)
+    limit = smem_limit(x.device)
 
     def fitting(phase: str, configs: list[dict]) -> list[dict]:
         """The configs whose tiles fit shared memory at this rank (a failed compile costs seconds)."""
-        return [c for c in configs if smem_bytes(phase, c, _r_pad(s.R), elt) <= limit]
+        return [c for c in configs if smem_bytes(phase, c, padded_rank(s.R), elt) <= limit]
 
     def put(phase: str, key: dict, conf: dict, ms: float) -> None:
-        _cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
+        cache.upsert(data["kernels"].setdefault(f"lora_linear.{phase}", []), {"key": key, "config": conf, "ms": ms})
         log(f"    {phase:7s} {ms * 1e3:8.1f} us  {conf}")
 
     if "gemm" in kernels:
@@ -160,24 +160,24 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
             M, K, N = lhs.shape[0], lhs.shape[1], wkn.shape[1]
             tma = _tma_ready((lhs, 1), (wkn, 0 if wkn.stride(0) == 1 else 1))
             phase = "gemm" if tma else "gemm_plain"
-            key = _gemm_key(M, N, K, s.R, dtype, wkn)
-            conf, ms = _best(phase, fitting(phase, gemm_configs(elt)),
+            key = gemm_key(M, N, K, s.R, dtype, wkn)
+            conf, ms = best_config(phase, fitting(phase, gemm_configs(elt)),
                              lambda c: ll.gemm(lhs, wkn, low, up, None, 1.0, 0.0, None, dtype, config=c), rep_ms)
             put(phase, key, conf, ms)
     if "fwd_h" in kernels:
-        conf, ms = _best("fwd_h", fitting("fwd_h", fwd_h_configs()),
+        conf, ms = best_config("fwd_h", fitting("fwd_h", fwd_h_configs()),
                          lambda c: ll.fwd_h(x, a, 0.0, None, config=c), rep_ms)
         put("fwd_h", _key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "bwd_dy" in kernels:
-        conf, ms = _best("bwd_dy", fitting("bwd_dy", bwd_dy_configs()),
+        conf, ms = best_config("bwd_dy", fitting("bwd_dy", bwd_dy_configs()),
                          lambda c: ll.bwd_dy(dy, b, h, 1.0, config=c), rep_ms)
         put("bwd_dy", _key(M=s.M, N=s.N, R=s.R, dtype=dt), conf, ms)
     if "bwd_da" in kernels:
-        conf, ms = _best("bwd_da", fitting("bwd_da", bwd_da_configs()),
+        conf, ms = best_config("bwd_da", fitting("bwd_da", bwd_da_configs()),
                          lambda c: ll.bwd_da(dh, x, 0.0, None, config=c), rep_ms)
         put("bwd_da", _key(M=s.M, K=s.K, R=s.R, dtype=dt), conf, ms)
     if "dispatch" in kernels:
-        _cache.save(data)  # the fused path below reads the configs just tuned
+        cache.save(data)  # the fused path below reads the configs just tuned
         clear_memos()
         key = _key(M=s.M, K=s.K, N=s.N, R=s.R, dtype=dt)
         a32, b32 = a.float(), b.float()  # fp32 master factors, as a training step holds them
@@ -193,17 +193,17 @@ def tune_shape(s: Shape, dtype: torch.dtype, kernels: Iterable[str], data: dict,
                                                                        graphed=graphed)),
             ("bwd", bwd),
         ):
-            graphs = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in _dispatch.IMPLS}
-            ms = _bench_interleaved({impl: g.replay for impl, g in graphs.items()}, rep_ms)
-            del graphs
+            captured = {impl: _captured(lambda impl=impl: fn(impl, False)) for impl in dispatch.IMPLS}
+            ms = _bench_interleaved({impl: g.replay for impl, g in captured.items()}, rep_ms)
+            del captured
             entry = {"key": key, "ms": ms}
-            if hasattr(torch.cuda, "_sleep"):  # private: without it the old rule decides (ms alone)
+            if hasattr(torch.cuda, "_sleep"):  # private: without it the single-time rule decides (ms alone)
                 # the host side as the eager op path calls it: Triton's launches replay from a launch graph
-                replays = _graphs.GRAPHS.replays
-                entry["host_ms"] = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in _dispatch.IMPLS}
-                entry["graphed"] = _graphs.GRAPHS.replays > replays  # False: graphs off, host time ungraphed
-            entry["winner"] = _dispatch.decide(phase, ms, entry.get("host_ms"))
-            _cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []), entry)
+                replays = launch_graphs.GRAPHS.replays
+                entry["host_ms"] = {impl: _host_ms(lambda impl=impl: fn(impl, True)) for impl in dispatch.IMPLS}
+                entry["graphed"] = launch_graphs.GRAPHS.replays > replays  # False: graphs off, host time ungraphed
+            entry["winner"] = dispatch.decide(phase, ms, entry.get("host_ms"))
+            cache.upsert(data["dispatch"].setdefault(f"lora_linear.{phase}", []), entry)
             host = {p: f"{t * 1e3:6.1f}" for p, t in entry.get("host_ms", {}).items()}
             log(f"    {phase:7s} triton {ms['triton'] * 1e3:8.1f} us (host {host.get('triton', '     -')})"
                 f"  addmm {ms['addmm'] * 1e3:8.1f} us (host {host.get('addmm', '     -')})"
@@ -215,9 +215,9 @@ def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, 
          kernels: Iterable[str] = KERNELS, rep_ms: int = 20, log: Callable[[str], None] = print,
          budget_s: Optional[float] = None) -> dict:
     """Tune ``lora_linear`` for every (M, K, N, R) of ``tokens x shapes x ranks``; returns the saved cache."""
-    gpu, triton_version = _cache.device_name(), _cache.triton_version()
-    path = _cache.cache_path(gpu, triton_version)
-    data = _cache.load(path) or _cache.empty(gpu, triton_version)
+    gpu, triton_version = cache.device_name(), cache.triton_version()
+    path = cache.cache_path(gpu, triton_version)
+    data = cache.load(path) or cache.empty(gpu, triton_version)
     todo = [Shape(M, K, N, R) for M in tokens for K, N in shapes for R in ranks]
     t0 = time.time()
     for i, s in enumerate(todo):
@@ -226,7 +226,7 @@ def tune(shapes: list[tuple[int, int]], tokens: list[int], ranks: list[int], *, 
             break
         log(f"[{i + 1}/{len(todo)}] M={s.M} K={s.K} N={s.N} r={s.R} {dtype}  ({time.time() - t0:.0f} s)")
         tune_shape(s, dtype, kernels, data, rep_ms=rep_ms, log=log)
-        _cache.save(data, path)
+        cache.save(data, path)
         torch.cuda.empty_cache()
     clear_memos()
     return data

@@ -10,7 +10,11 @@ import torch.utils._pytree as pytree
 from transformers.pytorch_utils import Conv1D
 
 import fastaf as fa
-from fastaf.functional import _call, _mode
+import importlib
+
+from fastaf.intercept import mode as _mode
+
+_call = importlib.import_module("fastaf.functional._call")  # the module (functional_call is its function)
 from tests._backends import fastaf_ops_backend
 from tests._models import ARCHS, MODELS, VOCAB, logits, random_adapter, tiny_falcon, tiny_gpt2, tiny_llama, token_batch
 from tests._peft import peft_grads, peft_model_with
@@ -224,8 +228,8 @@ def _maml_objective(adapter, inner):
 def test_plain_autograd_over_func_grad_gives_second_derivatives(compiled):
     """torch.autograd over torch.func.grad_and_value's result (MAML's outer step), eager and with
     the inner step compiled, against torch.func.grad twice. Each term needs the ops' graph beneath
-    the grad level and a differentiable backward (until stop 37 the result had no graph to the
-    factors eagerly, and compiled it was 49% off)."""
+    the grad level and a differentiable backward: without them the result has no graph to the
+    factors eagerly, and compiled it is off."""
     base = tiny_llama(layers=1)
     ad = random_adapter(base, MAML_TARGETS)
     ids = token_batch()
@@ -262,7 +266,7 @@ def test_plain_autograd_over_func_grad_with_one_factor_tracked(compiled, frozen)
     (the second one constant): every other layer's backward still depends on it, through its
     input and its cotangent. Eagerly the call's inputs decide; compiled, the tracked factor that
     one layer's forward saw (an unfrozen base makes every activation require grad, so the
-    layers' own operands tell nothing: the outer gradient was 100% off until stop 39)."""
+    layers' own operands tell nothing: read from them, the outer gradient would be wholly off)."""
     base = tiny_llama(layers=2).requires_grad_(not frozen)
     ad = random_adapter(base, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
     other = random_adapter(base, ["q_proj", "gate_proj"], seed=1)
@@ -345,7 +349,7 @@ def test_plain_autograd_through_a_head_outside_the_call(vmapped):
 
 def test_plain_autograd_over_func_grad_on_falcon():
     """Falcon adds into a layer's output in place: the per-layer path's output must not be a view
-    of a custom Function's output (MAML and grad of grad raised until stop 37)."""
+    of a custom Function's output (or MAML and grad of grad raise)."""
     base = tiny_falcon(layers=1)
     ad = random_adapter(base, ["query_key_value", "dense_4h_to_h"])
     ids = token_batch()
@@ -519,8 +523,8 @@ class _Tiny(torch.nn.Module):
 
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
 @pytest.mark.parametrize("inner", ["linear", "conv1d"])
-def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, inner, monkeypatch):
-    monkeypatch.setattr(_call, "CARRY", carry)
+def test_a_use_no_rule_fuses_computes_with_the_merged_weight_warned_once(carry, inner, monkeypatch, set_flags):
+    set_flags(carry=carry)
     model = _Tiny(_EinsumLinear(6, 5) if inner == "linear" else _einsum_conv1d(5, 6))
     x = torch.randn(3, 6)
     ad = random_adapter(model, ["inner", "plain"])
@@ -724,8 +728,8 @@ def test_a_use_no_rule_fuses_under_compile_and_lora_dropout_is_an_error():
 
 
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
-def test_a_use_no_rule_fuses_under_lora_dropout_is_a_clear_error(carry, monkeypatch):
-    monkeypatch.setattr(_call, "CARRY", carry)
+def test_a_use_no_rule_fuses_under_lora_dropout_is_a_clear_error(carry, monkeypatch, set_flags):
+    set_flags(carry=carry)
     model = _Tiny().train()
     ad = random_adapter(model, ["inner"], dropout=0.1)
     with pytest.raises(ValueError, match=r"inner \(_EinsumLinear\) uses its weight through einsum.*dropout"):
@@ -734,8 +738,8 @@ def test_a_use_no_rule_fuses_under_lora_dropout_is_a_clear_error(carry, monkeypa
 
 
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "mode"])
-def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs_a_warning(carry, monkeypatch):
-    monkeypatch.setattr(_call, "CARRY", carry)
+def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs_a_warning(carry, monkeypatch, set_flags):
+    set_flags(carry=carry)
     model = _Tiny(_DetachedLinear(6, 5))
     snap = snapshot(model)
     x = torch.randn(3, 6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastaf as fa
-from fastaf.functional._modules import match_targets
+from fastaf._layouts import match_targets
 from tests._models import random_adapter, tiny_llama, tiny_mixtral, tiny_qwen3_moe, token_batch
 from tests._peft import peft_grads, peft_model_with
 from tests._tolerances import rel_err

@@ -7,84 +7,84 @@ import re
 import pytest
 
 from fastaf.cli import tune as cli
-from fastaf.kernels import _cache, _dispatch
+from fastaf.kernels import cache, dispatch
 from fastaf.kernels.tuning import shapes_from_model_config
 
 
 @pytest.fixture(autouse=True)
 def tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTAF_CACHE_DIR", str(tmp_path))
-    _cache.forget()
+    cache.forget()
     yield tmp_path
-    _cache.forget()
+    cache.forget()
 
 
 def _data():
-    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data = cache.empty(cache.device_name(), cache.triton_version())
     gemm = data["kernels"].setdefault("lora_linear.gemm", [])
     for M, bm in ((2048, 64), (8192, 128), (16384, 256)):
-        _cache.upsert(gemm, {"key": {"M": M, "N": 4096, "K": 4096, "R": 16, "dtype": "bfloat16"},
+        cache.upsert(gemm, {"key": {"M": M, "N": 4096, "K": 4096, "R": 16, "dtype": "bfloat16"},
                              "config": {"BLOCK_M": bm}})
-    _cache.upsert(data["dispatch"].setdefault("lora_linear.fwd", []),
+    cache.upsert(data["dispatch"].setdefault("lora_linear.fwd", []),
                   {"key": {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}, "winner": "triton"})
     return data
 
 
 def test_roundtrip_and_path(tmp_cache):
-    path = _cache.save(_data())
-    assert path.parent == tmp_cache and path.name.startswith(f"tune-{_cache.slug(_cache.device_name())}-triton")
-    _cache.forget()
-    assert _cache.load(path) == json.loads(path.read_text())
+    path = cache.save(_data())
+    assert path.parent == tmp_cache and path.name.startswith(f"tune-{cache.slug(cache.device_name())}-triton")
+    cache.forget()
+    assert cache.load(path) == json.loads(path.read_text())
 
 
 def test_nearest_shape():
-    _cache.save(_data())
+    cache.save(_data())
     key = {"M": 9000, "N": 4096, "K": 4096, "R": 16, "dtype": "bfloat16"}
-    assert _cache.lookup("kernels", "lora_linear.gemm", key)["config"]["BLOCK_M"] == 128
-    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 100})["config"]["BLOCK_M"] == 64
-    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 10**6})["config"]["BLOCK_M"] == 256
-    assert _cache.lookup("kernels", "lora_linear.gemm", {**key, "dtype": "float16"}) is None  # dtype must match
-    assert _cache.lookup("kernels", "lora_linear.fwd_h", key) is None
+    assert cache.lookup("kernels", "lora_linear.gemm", key)["config"]["BLOCK_M"] == 128
+    assert cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 100})["config"]["BLOCK_M"] == 64
+    assert cache.lookup("kernels", "lora_linear.gemm", {**key, "M": 10**6})["config"]["BLOCK_M"] == 256
+    assert cache.lookup("kernels", "lora_linear.gemm", {**key, "dtype": "float16"}) is None  # dtype must match
+    assert cache.lookup("kernels", "lora_linear.fwd_h", key) is None
 
 
 def test_upsert_replaces_same_key():
     entries = []
-    _cache.upsert(entries, {"key": {"M": 1}, "config": 1})
-    _cache.upsert(entries, {"key": {"M": 1}, "config": 2})
-    _cache.upsert(entries, {"key": {"M": 2}, "config": 3})
+    cache.upsert(entries, {"key": {"M": 1}, "config": 1})
+    cache.upsert(entries, {"key": {"M": 1}, "config": 2})
+    cache.upsert(entries, {"key": {"M": 2}, "config": 3})
     assert [e["config"] for e in entries] == [2, 3]
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"version": 999}), json.dumps([1, 2])])
 def test_corrupt_file_warns_and_is_ignored(tmp_cache, text):
-    path = _cache.cache_path()
+    path = cache.cache_path()
     path.write_text(text)
     with pytest.warns(UserWarning, match="tuning cache"):
-        assert _cache.lookup("kernels", "lora_linear.gemm", {"M": 1, "dtype": "bfloat16"}) is None
+        assert cache.lookup("kernels", "lora_linear.gemm", {"M": 1, "dtype": "bfloat16"}) is None
     # the launcher's default then applies; the dispatch falls back too
-    assert _dispatch.choose("lora_linear", "fwd", {"M": 1, "K": 1, "N": 1, "R": 1, "dtype": "bfloat16"}, "x") == "addmm"
+    assert dispatch.choose("lora_linear", "fwd", {"M": 1, "K": 1, "N": 1, "R": 1, "dtype": "bfloat16"}, "x") == "addmm"
 
 
 def test_malformed_entries_warn():
     data = _data()
     data["kernels"]["lora_linear.gemm"] = [{"key": {"M": "oops", "N": 3}}, {"key": {"M": 5, "N": [1]}}]
-    _cache.save(data)
+    cache.save(data)
     with pytest.warns(UserWarning, match="malformed"):
-        assert _cache.lookup("kernels", "lora_linear.gemm", {"M": 5, "N": 3}) is None
+        assert cache.lookup("kernels", "lora_linear.gemm", {"M": 5, "N": 3}) is None
 
 
 def test_dispatch_charges_triton_its_host_cost():
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}
-    assert _dispatch.choose("lora_linear", "fwd", key, "NVIDIA A100") == "addmm"  # no cache, none shipped
+    assert dispatch.choose("lora_linear", "fwd", key, "NVIDIA A100") == "addmm"  # no cache, none shipped
     data = _data()
     entry = data["dispatch"]["lora_linear.fwd"][0]
     entry["ms"] = {"triton": 0.30, "addmm": 0.45}  # wins by more than 2 launches' host time
-    _cache.save(data)
-    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "triton"
-    assert _dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, _cache.device_name()) == "triton"  # nearest
+    cache.save(data)
+    assert dispatch.choose("lora_linear", "fwd", key, cache.device_name()) == "triton"
+    assert dispatch.choose("lora_linear", "fwd", {**key, "M": 16384}, cache.device_name()) == "triton"  # nearest
     entry["ms"] = {"triton": 0.44, "addmm": 0.45}  # faster on the GPU, not by enough to pay its launches
-    _cache.save(data)
-    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) == "addmm"
+    cache.save(data)
+    assert dispatch.choose("lora_linear", "fwd", key, cache.device_name()) == "addmm"
 
 
 def test_dispatch_weighs_each_path_by_its_slower_side():
@@ -95,32 +95,32 @@ def test_dispatch_weighs_each_path_by_its_slower_side():
     data = _data()
     data["dispatch"]["lora_linear.bwd"] = [{"key": key, "winner": "triton", "ms": {"triton": 0.10, "addmm": 0.09},
                                             "host_ms": {"triton": 0.03, "addmm": 0.14}}]
-    _cache.save(data)
-    gpu = _cache.device_name()
-    assert _dispatch.choose("lora_linear", "bwd", key, gpu) == "triton"  # 0.10 against the host's 0.14
-    decide = _dispatch.decide
+    cache.save(data)
+    gpu = cache.device_name()
+    assert dispatch.choose("lora_linear", "bwd", key, gpu) == "triton"  # 0.10 against the host's 0.14
+    decide = dispatch.decide
     assert decide("bwd", {"triton": 0.50, "addmm": 0.45}, {"triton": 0.03, "addmm": 0.14}) == "addmm"
     assert decide("fwd", {"triton": 0.20, "addmm": 0.20}, {"triton": 0.02, "addmm": 0.05}) == "addmm"
     assert decide("fwd", {"triton": 0.02, "addmm": 0.03}, {"triton": 0.05, "addmm": 0.05}) == "addmm"  # host-bound both
     # the old rule for a cache without host times: do_bench times, Triton charged its launches
     assert decide("fwd", {"triton": 0.44, "addmm": 0.45}) == "addmm"
     data["dispatch"]["lora_linear.bwd"][0]["host_ms"] = {"triton": "?"}  # malformed: the old rule
-    _cache.save(data)
-    assert _dispatch.choose("lora_linear", "bwd", key, gpu) == "addmm"
+    cache.save(data)
+    assert dispatch.choose("lora_linear", "bwd", key, gpu) == "addmm"
 
 
 def test_shipped_cache_is_the_fallback_and_user_cache_wins():
     key = {"M": 16384, "K": 4096, "N": 14336, "R": 16, "dtype": "bfloat16"}
     h200 = "NVIDIA H200"
-    assert _cache.shipped_path(h200) is not None
-    shipped = _cache.lookup("dispatch", "lora_linear.fwd", key, gpu=h200)
+    assert cache.shipped_path(h200) is not None
+    shipped = cache.lookup("dispatch", "lora_linear.fwd", key, gpu=h200)
     assert shipped is not None and shipped["key"]["M"] == 16384
-    assert _dispatch.choose("lora_linear", "fwd", key, h200) == _dispatch.decide("fwd", shipped["ms"],
+    assert dispatch.choose("lora_linear", "fwd", key, h200) == dispatch.decide("fwd", shipped["ms"],
                                                                                   shipped.get("host_ms"))
-    data = _cache.empty(h200, _cache.triton_version())
+    data = cache.empty(h200, cache.triton_version())
     data["dispatch"]["lora_linear.fwd"] = [{"key": key, "winner": "addmm", "ms": {"triton": 9.0, "addmm": 1.0}}]
-    _cache.save(data)  # the user's own tuning for this GPU and triton replaces the shipped one
-    assert _dispatch.choose("lora_linear", "fwd", key, h200) == "addmm"
+    cache.save(data)  # the user's own tuning for this GPU and triton replaces the shipped one
+    assert dispatch.choose("lora_linear", "fwd", key, h200) == "addmm"
 
 
 def test_model_config_shapes():
@@ -136,7 +136,7 @@ def test_cli_list_and_clear(tmp_cache, capsys):
     data["dispatch"]["lora_linear.bwd"] = [{"key": {"M": 4096, "K": 2048, "N": 2048, "R": 16, "dtype": "bfloat16"},
                                             "winner": "triton", "ms": {"triton": 0.0931, "addmm": 0.0962},
                                             "host_ms": {"triton": 0.0826, "addmm": 0.1672}}]
-    _cache.save(data)
+    cache.save(data)
     (tmp_cache / "tune-broken-triton0.json").write_text("{")
     with pytest.warns(UserWarning):
         assert cli.main(["--list"]) == 0
@@ -153,10 +153,10 @@ def test_cli_rejects_unknown_kernel():
 
 
 def test_cli_shape_parsing(tmp_path):
-    assert cli._shapes("4096x14336,14336X4096") == [(4096, 14336), (14336, 4096)]
+    assert cli.parse_shapes("4096x14336,14336X4096") == [(4096, 14336), (14336, 4096)]
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}))
-    assert cli._model_shapes(str(cfg)) == [(64, 64), (64, 128), (128, 64)]
+    assert cli.model_shapes(str(cfg)) == [(64, 64), (64, 128), (128, 64)]
 
 
 def test_config_borrowed_from_another_rank_is_fitted_to_shared_memory(monkeypatch):
@@ -169,16 +169,16 @@ def test_config_borrowed_from_another_rank_is_fitted_to_shared_memory(monkeypatc
 
     big = {"BLOCK_M": 64, "BLOCK_K": 256, "USE_TMA": 0, "num_warps": 4, "num_stages": 4}
     key16 = {"M": 2048, "K": 4096, "R": 16, "dtype": "bfloat16"}
-    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data = cache.empty(cache.device_name(), cache.triton_version())
     data["kernels"]["lora_linear.fwd_h"] = [{"key": key16, "config": big}]
-    _cache.save(data)
+    cache.save(data)
     plan.clear_memos()
-    monkeypatch.setattr(plan, "_smem_limit", lambda device: 232448)  # H100's opt-in limit, as _config sees it
+    monkeypatch.setattr(plan, "smem_limit", lambda device: 232448)  # H100's opt-in limit, as launch_config sees it
     dev = torch.device("cuda", 0)  # only its type and index are read: no GPU needed
     try:
         assert configs.smem_bytes("fwd_h", big, 64, 2) == 262144  # the figure Triton reported
-        assert plan._config("fwd_h", dev, key16) == big  # measured at this very shape: trusted as is
-        conf = plan._config("fwd_h", dev, {**key16, "R": 64})
+        assert plan.launch_config("fwd_h", dev, key16) == big  # measured at this very shape: trusted as is
+        conf = plan.launch_config("fwd_h", dev, {**key16, "R": 64})
         assert conf["num_stages"] == 3 and configs.smem_bytes("fwd_h", conf, 64, 2) <= 232448
         assert {k: v for k, v in conf.items() if k != "num_stages"} == {k: v for k, v in big.items() if k != "num_stages"}
         assert configs.fit("fwd_h", {**big, "BLOCK_M": 4096}, 64, 2, 232448) is None  # cannot fit: the caller's default
@@ -196,12 +196,12 @@ def test_cached_config_keys_follow_this_versions_kernel():
 
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
     old = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "SPLIT_STORE": 1}
-    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data = cache.empty(cache.device_name(), cache.triton_version())
     data["kernels"]["lora_linear.gemm"] = [{"key": key, "config": old}]
-    _cache.save(data)
+    cache.save(data)
     plan.clear_memos()
     try:
-        conf = plan._config("gemm", torch.device("cuda", 0), key)
+        conf = plan.launch_config("gemm", torch.device("cuda", 0), key)
         assert conf == {**configs.DEFAULTS["gemm"], **{k: v for k, v in old.items() if k != "SPLIT_STORE"}}
         assert conf["GROUP_M"] == configs.DEFAULTS["gemm"]["GROUP_M"]  # absent from the entry
     finally:
@@ -222,19 +222,19 @@ def test_cached_config_keys_follow_this_versions_kernel():
 def test_malformed_entries_are_one_warning_and_ignored(tmp_cache, capsys, break_it):
     data = _data()
     break_it(data)
-    _cache.save(data)
+    cache.save(data)
     with pytest.warns(UserWarning, match=r"ignoring malformed entries of") as seen:
         assert cli.main(["--list"]) == 0  # no traceback
     assert len(seen) == 1 and "\n" not in str(seen[0].message)
     assert "gpu=" in capsys.readouterr().out
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16"}
-    assert _dispatch.choose("lora_linear", "fwd", key, _cache.device_name()) in ("triton", "addmm")
-    for entry in _cache.load().get("kernels", {}).get("lora_linear.gemm", []):
+    assert dispatch.choose("lora_linear", "fwd", key, cache.device_name()) in ("triton", "addmm")
+    for entry in cache.load().get("kernels", {}).get("lora_linear.gemm", []):
         assert isinstance(entry["config"], dict)  # what survived is well-formed
 
 
 def test_clear_survives_a_directory_and_an_undeletable_file(tmp_cache, capsys, monkeypatch):
-    _cache.save(_data())
+    cache.save(_data())
     (tmp_cache / "tune-dir-triton1.json").mkdir()
     locked = tmp_cache / "tune-locked-triton1.json"
     locked.write_text("{}")
@@ -265,17 +265,17 @@ def test_nonsense_kernel_configs_are_not_launched(bad, problem, monkeypatch):
     from fastaf.kernels import lora_linear_configs as configs
     from fastaf.kernels import lora_linear_plan as plan
 
-    monkeypatch.setattr(plan, "_smem_limit", lambda device: 232448)  # H100's opt-in limit, as _config sees it
+    monkeypatch.setattr(plan, "smem_limit", lambda device: 232448)  # H100's opt-in limit, as launch_config sees it
 
     phase = "fwd_h" if "USE_TMA" in bad else "gemm"
     key = {"M": 8192, "K": 4096, "N": 4096, "R": 16, "dtype": "bfloat16", "layout": "nk"}
-    data = _cache.empty(_cache.device_name(), _cache.triton_version())
+    data = cache.empty(cache.device_name(), cache.triton_version())
     data["kernels"][f"lora_linear.{phase}"] = [{"key": key, "config": {**configs.DEFAULTS[phase], **bad}}]
-    _cache.save(data)
+    cache.save(data)
     plan.clear_memos()
     try:
         with pytest.warns(UserWarning, match=re.escape(problem)):
-            conf = plan._config(phase, torch.device("cuda", 0), key)
+            conf = plan.launch_config(phase, torch.device("cuda", 0), key)
         assert configs.config_problem(conf) is None and conf == configs.DEFAULTS[phase]
     finally:
         plan.clear_memos()
@@ -283,7 +283,7 @@ def test_nonsense_kernel_configs_are_not_launched(bad, problem, monkeypatch):
 
 def test_a_failed_cache_write_leaves_no_temp_file(tmp_cache):
     with pytest.raises(TypeError):
-        _cache.save({**_data(), "bad": object()})  # not JSON-serializable
+        cache.save({**_data(), "bad": object()})  # not JSON-serializable
     assert not list(tmp_cache.glob(".tune-*"))
 
 

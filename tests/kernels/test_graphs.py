@@ -1,4 +1,4 @@
-"""fastaf.kernels._graphs: an eager call's launches replayed from a CUDA graph.
+"""fastaf.kernels.launch_graphs: an eager call's launches replayed from a CUDA graph.
 
 On the CPU (interpreter): the graphed forward and backward compose the outputs the ungraphed
 path returns, every buffer allocated outside the graph, and ``LaunchGraphs`` captures at a key's
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fastaf.kernels import _graphs
+from fastaf.kernels import launch_graphs
 from fastaf.kernels import lora_linear as ll
 from fastaf.kernels.lora_linear_plan import clear_memos
 from tests._tolerances import assert_close
@@ -50,8 +50,8 @@ def _both(monkeypatch, factor_dtype: torch.dtype, partials: bool, needs_dx: bool
           bias: bool = True):
     """(ungraphed, graphed) forward + backward of one call; the graphed one through ``_Recorder``."""
     recorder = _Recorder()
-    monkeypatch.setattr(_graphs, "usable", lambda x: True)
-    monkeypatch.setattr(_graphs, "GRAPHS", recorder)
+    monkeypatch.setattr(launch_graphs, "usable", lambda x: True)
+    monkeypatch.setattr(launch_graphs, "GRAPHS", recorder)
     x, weight, bias_t, a, b, dy, seed = make(64, 32, 48, 4, torch.float32, "cpu", bias=bias, p=p)
     a, b = a.to(factor_dtype), b.to(factor_dtype)
     conf = dict(ll.INTERPRET["bwd_dy"], DB_PARTIAL=int(partials))
@@ -97,22 +97,22 @@ def test_graphed_calls_with_dropout_and_without_bias(monkeypatch, fresh_plans):
 
 def test_call_key_tells_apart_what_a_launch_could_tell_apart():
     base = torch.zeros(8, 6)
-    keys = [_graphs.call_key((base, None), 0.5),
-            _graphs.call_key((base[:, :4], None), 0.5),  # same address, other shape
-            _graphs.call_key((base.T, None), 0.5),  # same address, other strides
-            _graphs.call_key((base.view(torch.int32), None), 0.5),  # same address, other dtype
-            _graphs.call_key((base[1:], None), 0.5),  # other address
-            _graphs.call_key((base, base), 0.5),  # an optional tensor present
-            _graphs.call_key((base, None), 0.25)]  # another float
+    keys = [launch_graphs.call_key((base, None), 0.5),
+            launch_graphs.call_key((base[:, :4], None), 0.5),  # same address, other shape
+            launch_graphs.call_key((base.T, None), 0.5),  # same address, other strides
+            launch_graphs.call_key((base.view(torch.int32), None), 0.5),  # same address, other dtype
+            launch_graphs.call_key((base[1:], None), 0.5),  # other address
+            launch_graphs.call_key((base, base), 0.5),  # an optional tensor present
+            launch_graphs.call_key((base, None), 0.25)]  # another float
     assert len(set(keys)) == len(keys)
-    assert _graphs.call_key((base, None), 0.5) == keys[0]  # and equal calls meet
+    assert launch_graphs.call_key((base, None), 0.5) == keys[0]  # and equal calls meet
 
 
 @needs_interpreter
 def test_graphed_keys_hold_every_tensor_of_the_call(monkeypatch, fresh_plans):
     seen = []
-    shipped = _graphs.call_key
-    monkeypatch.setattr(_graphs, "call_key", lambda tensors, *values: seen.append(tensors) or shipped(tensors, *values))
+    shipped = launch_graphs.call_key
+    monkeypatch.setattr(launch_graphs, "call_key", lambda tensors, *values: seen.append(tensors) or shipped(tensors, *values))
     (_, (y, h, dx, da, db)), _, (x, weight, bias, a, b, dy) = _both(monkeypatch, torch.float32, True)
     fwd, bwd = ({id(t) for t in ts if t is not None} for ts in seen)
     assert {id(t) for t in (x, weight, bias, a, b, y, h)} <= fwd
@@ -147,14 +147,14 @@ def pooled(monkeypatch):
         finally:
             active[0] = False
 
-    monkeypatch.setattr(_graphs.torch.cuda, "MemPool", _FakePool)
-    monkeypatch.setattr(_graphs.torch.cuda, "use_mem_pool", use_mem_pool)
+    monkeypatch.setattr(launch_graphs.torch.cuda, "MemPool", _FakePool)
+    monkeypatch.setattr(launch_graphs.torch.cuda, "use_mem_pool", use_mem_pool)
     return active
 
 
 def test_capture_at_third_sighting_then_replay(monkeypatch, pooled):
-    graphs = _graphs.LaunchGraphs()
-    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
+    graphs = launch_graphs.LaunchGraphs()
+    monkeypatch.setattr(graphs, "capture", lambda device, launch: _FakeGraph(launch))
     runs = []
     for _ in range(5):
         graphs.run(("k",), 0, lambda: runs.append("pooled" if pooled[0] else "launch"))
@@ -167,16 +167,16 @@ def test_capture_at_third_sighting_then_replay(monkeypatch, pooled):
     assert ("other",) not in graphs.graphs and runs[-2:] == ["other", "other"]
 
 
-def _capacity_2(monkeypatch) -> _graphs.LaunchGraphs:
+def _capacity_2(monkeypatch) -> launch_graphs.LaunchGraphs:
     """Graphs with a stand-in capture and a capacity of 2."""
-    graphs = _graphs.LaunchGraphs()
-    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
-    monkeypatch.setattr(_graphs, "_CAPACITY", 2)
+    graphs = launch_graphs.LaunchGraphs()
+    monkeypatch.setattr(graphs, "capture", lambda device, launch: _FakeGraph(launch))
+    monkeypatch.setattr(launch_graphs, "CAPACITY", 2)
     return graphs
 
 
 def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
-    """Graphs replayed once after their capture (below ``_EARNED``) fill the capacity for good:
+    """Graphs replayed once after their capture (below ``EARNED``) fill the capacity for good:
     later keys launch, as a loop whose addresses drift would."""
     graphs = _capacity_2(monkeypatch)
     for i in range(4):
@@ -188,27 +188,27 @@ def test_capacity_bounds_the_graphs_kept(monkeypatch, pooled):
 def test_a_step_of_more_keys_than_a_generation_still_captures(monkeypatch, pooled):
     """A loop of 5 keys a step with generations of 4 new keys: each key recurs within 4 other
     keys, so all are captured on their third sighting (one dict cleared at 4 forgot them all)."""
-    monkeypatch.setattr(_graphs, "_GENERATION", 4)
-    graphs = _graphs.LaunchGraphs()
-    monkeypatch.setattr(graphs, "_capture", lambda device, launch: _FakeGraph(launch))
+    monkeypatch.setattr(launch_graphs, "GENERATION", 4)
+    graphs = launch_graphs.LaunchGraphs()
+    monkeypatch.setattr(graphs, "capture", lambda device, launch: _FakeGraph(launch))
     for step in range(4):
         for i in range(5):
             graphs.run(("loop", i), 0, lambda: None)
         assert graphs.captures == (5 if step >= 2 else 0)
-    assert graphs.replays == 10 and not graphs.seen and not graphs._older
+    assert graphs.replays == 10 and not graphs.seen and not graphs.older
 
 
 def test_keys_that_never_recur_are_forgotten(monkeypatch, pooled):
     """Addresses that drift: the sightings kept stay within two generations."""
-    monkeypatch.setattr(_graphs, "_GENERATION", 3)
-    graphs = _graphs.LaunchGraphs()
+    monkeypatch.setattr(launch_graphs, "GENERATION", 3)
+    graphs = launch_graphs.LaunchGraphs()
     for i in range(50):
         graphs.run(("drift", i), 0, lambda: None)
-        assert len(graphs.seen) + len(graphs._older) <= 6
+        assert len(graphs.seen) + len(graphs.older) <= 6
     assert graphs.captures == 0
 
 
-def _filled(monkeypatch) -> _graphs.LaunchGraphs:
+def _filled(monkeypatch) -> launch_graphs.LaunchGraphs:
     """Graphs at a capacity of 2, filled by a loop whose two keys were captured, then replayed twice."""
     graphs = _capacity_2(monkeypatch)
     for i in range(2):
@@ -244,11 +244,11 @@ def test_at_capacity_graphs_still_replaying_are_kept(monkeypatch, pooled):
 
 
 def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch, pooled):
-    graphs = _graphs.LaunchGraphs()
-    monkeypatch.setattr(_graphs.torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no graphs")))
-    monkeypatch.setattr(_graphs.torch.cuda, "Stream", lambda device: None)
+    graphs = launch_graphs.LaunchGraphs()
+    monkeypatch.setattr(launch_graphs.torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no graphs")))
+    monkeypatch.setattr(launch_graphs.torch.cuda, "Stream", lambda device: None)
     ended = []
-    monkeypatch.setattr(_graphs.torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool),
+    monkeypatch.setattr(launch_graphs.torch._C, "_cuda_endAllocateToPool", lambda device, pool: ended.append(pool),
                         raising=False)
     runs = []
     for i in range(2):
@@ -260,7 +260,7 @@ def test_a_failed_capture_launches_and_turns_graphs_off(monkeypatch, pooled):
 
 
 def test_not_usable_on_the_cpu():
-    assert not _graphs.usable(torch.empty(2))
+    assert not launch_graphs.usable(torch.empty(2))
 
 
 @pytest.mark.gpu
@@ -269,14 +269,14 @@ def test_not_usable_on_the_cpu():
 def test_gpu_replays_follow_new_values_at_the_same_addresses(factor_dtype):
     """Steps of one layer, its inputs refilled in place: the graphed calls replay and equal the
     ungraphed path on every step's values."""
-    if not _graphs.usable(torch.empty(1, device="cuda")):
+    if not launch_graphs.usable(torch.empty(1, device="cuda")):
         pytest.skip("graphs not usable here (fast launch off, or FASTAF_LAUNCH_GRAPHS=0)")
     # the allocator hands the same blocks to the same allocations once its free blocks settle: from
     # an empty cache (earlier tests' leftovers moved them for more than 5 steps, H100) in a few steps
     torch.cuda.empty_cache()
     x, weight, bias, a, b, dy, _ = make(1024, 512, 768, 16, torch.bfloat16, "cuda")
     a, b = a.to(factor_dtype), b.to(factor_dtype)
-    before = _graphs.GRAPHS.replays
+    before = launch_graphs.GRAPHS.replays
     for step in range(8):
         for t in (x, a, b, dy):
             t.copy_(torch.randn_like(t, dtype=torch.float32) / 8)
@@ -290,7 +290,7 @@ def test_gpu_replays_follow_new_values_at_the_same_addresses(factor_dtype):
             assert g.dtype == (factor_dtype if name in ("da", "db") else torch.bfloat16), name
             assert_close(g, w, torch.bfloat16, f"step {step}: {name}")
         del y, h, got, want
-    assert _graphs.GRAPHS.replays > before, "no call replayed its graph"
+    assert launch_graphs.GRAPHS.replays > before, "no call replayed its graph"
 
 
 @pytest.mark.gpu
@@ -298,7 +298,7 @@ def test_gpu_replays_follow_new_values_at_the_same_addresses(factor_dtype):
 def test_gpu_no_graph_on_a_user_stream():
     x = torch.empty(8, device="cuda")
     with torch.cuda.stream(torch.cuda.Stream()):
-        assert not _graphs.usable(x)
+        assert not launch_graphs.usable(x)
 
 
 

@@ -95,7 +95,7 @@ def test_fits_asks_the_dispatch_at_each_siblings_own_rank(monkeypatch):
         asked.append((phase, M, K, N, R))
         return "triton" if R <= 16 else "addmm"  # a dispatch table whose r=64 entries take cuBLAS
 
-    monkeypatch.setattr(lg, "_choose", choose)
+    monkeypatch.setattr(lg, "choose_impl", choose)
     assert lg.fits(x, weights, [16, 16, 16], "auto")
     M, K = x.shape
     assert sorted(asked) == sorted((p, M, K, w.shape[0], 16) for w in weights for p in ("fwd", "bwd"))

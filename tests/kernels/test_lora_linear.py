@@ -14,7 +14,7 @@ import torch
 
 from fastaf.kernels import lora_linear as ll
 from fastaf.kernels.lora_linear_configs import DEFAULTS, fit, fit_smaller, gemm_configs, smem_bytes
-from fastaf.kernels.lora_linear_plan import _r_pad
+from fastaf.kernels.lora_linear_plan import padded_rank
 from fastaf.kernels.dropout_hash import keep_mask
 from tests._modes import deterministic
 from tests._tolerances import assert_close
@@ -225,7 +225,7 @@ def test_shared_passes_ask_the_dispatch_at_the_first_siblings_rank(monkeypatch):
     from fastaf.kernels.lora_linear_configs import MAX_RANK
 
     asked = []
-    monkeypatch.setattr(ll, "_choose",
+    monkeypatch.setattr(ll, "choose_impl",
                         lambda impl, phase, x, M, K, N, R: asked.append((phase, M, K, N, R)) or "addmm")
     x, a = torch.randn(6, 8, dtype=torch.float64), torch.randn(48, 8, dtype=torch.float64)
     torch.testing.assert_close(ll.shared_h(x, a, 32, 16, "auto"), x @ a.T)
@@ -244,9 +244,9 @@ def test_bwd_da_call_plans_differ_per_dh_dtype():
     graph's bf16 dh and an eager group's fp32 dh at one shape get plans of their own (one shared
     plan relaunched the other's kernel, reading dh in the wrong dtype)."""
     x = torch.randn(64, 32)
-    fp32 = ll._bwd_da_plan(x, 8, False, None, None, torch.float32)
-    assert ll._bwd_da_plan(x, 8, False, None, None, torch.bfloat16) is not fp32
-    assert ll._bwd_da_plan(x, 8, False, None, None) is fp32  # the backward's own dh: fp32
+    fp32 = ll.bwd_da_plan(x, 8, False, None, None, torch.float32)
+    assert ll.bwd_da_plan(x, 8, False, None, None, torch.bfloat16) is not fp32
+    assert ll.bwd_da_plan(x, 8, False, None, None) is fp32  # the backward's own dh: fp32
 
 
 def test_available():
@@ -297,8 +297,8 @@ def test_forced_triton_backward_alerts_in_deterministic_mode(warn_only):
 
 
 @pytest.mark.parametrize("R", [1, 3, 16, 64, 100])
-def test_r_pad(R):
-    pad = _r_pad(R)
+def test_padded_rank(R):
+    pad = padded_rank(R)
     assert pad >= max(R, 16) and pad & (pad - 1) == 0
 
 
@@ -344,19 +344,18 @@ def test_gpu_auto_and_fp32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(monkeypatch):
+def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(monkeypatch, set_flags):
     """impl="auto" under torch's deterministic mode: the backward takes cuBLAS even where the
     dispatch would take the Triton kernels (forced here by the benchmarks' override), gives the same
     bits every run, and matches fp64. warn_only=True: torch's own cuBLAS alert is not the subject."""
-    from fastaf.kernels import _dispatch
-    from fastaf.kernels.lora_linear_plan import _choose
+    from fastaf.kernels.lora_linear_plan import choose_impl
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
+    set_flags(dispatch="triton")
     x, weight, bias, a, b, dy, _ = make(8192, 2048, 2048, 16, torch.bfloat16, "cuda")
     with deterministic(warn_only=True):
-        assert _choose("auto", "fwd", x, 8192, 2048, 2048, 16) == "triton"
-        assert _choose("auto", "bwd", x, 8192, 2048, 2048, 16) == "addmm"
+        assert choose_impl("auto", "fwd", x, 8192, 2048, 2048, 16) == "triton"
+        assert choose_impl("auto", "bwd", x, 8192, 2048, 2048, 16) == "addmm"
         y, h = ll.lora_linear_fwd(x, weight, bias, a, b, 0.5, 0.0, None, impl="auto")
         runs = [ll.lora_linear_bwd(dy, x, weight, a, b, h, 0.5, 0.0, None, True, impl="auto") for _ in range(3)]
     for run in runs[1:]:
@@ -369,21 +368,20 @@ def test_gpu_auto_backward_is_repeatable_in_deterministic_mode(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_dispatch_override_forces_a_path(monkeypatch):
-    """bench_e2e's -triton / -addmm: the override replaces the measured choice at every shape
+def test_gpu_dispatch_override_forces_a_path(monkeypatch, set_flags):
+    """bench/e2e.py's -triton / -addmm: the override replaces the measured choice at every shape
     (not the deterministic mode's cuBLAS backward), and each path stays right."""
-    from fastaf.kernels import _dispatch
-    from fastaf.kernels.lora_linear_plan import _choose
+    from fastaf.kernels.lora_linear_plan import choose_impl
 
     x = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
     for path in ("triton", "addmm"):
-        monkeypatch.setattr(_dispatch, "OVERRIDE", path)
-        assert {_choose("auto", phase, x, 64, 32, 48, 4) for phase in ("fwd", "bwd")} == {path}
+        set_flags(dispatch=path)
+        assert {choose_impl("auto", phase, x, 64, 32, 48, 4) for phase in ("fwd", "bwd")} == {path}
         check(100, 64, 96, 4, dtype=torch.bfloat16, device="cuda", impl="auto")
-    monkeypatch.setattr(_dispatch, "OVERRIDE", "triton")
+    set_flags(dispatch="triton")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     with deterministic(warn_only=True):
-        assert _choose("auto", "bwd", x, 64, 32, 48, 4) == "addmm"
+        assert choose_impl("auto", "bwd", x, 64, 32, 48, 4) == "addmm"
 
 
 @pytest.mark.gpu
@@ -409,18 +407,18 @@ def test_gpu_bwd_da_keeps_a_kernel_per_dh_dtype():
 def test_gpu_fast_launch_repeats():
     """Repeated launches take the cached-kernel path and stay right on fresh inputs, also when an
     argument's specialization changes (misaligned view, different dropout, fp16 vs bf16)."""
-    from fastaf.kernels import _launch
+    from fastaf.kernels import launch_sites
 
-    if not _launch._enabled():
+    if not launch_sites.fast_launch_enabled():
         pytest.skip("fast launch disabled here")
-    hits = {name: site.hits for name, site in ll._SITES.items()}
+    hits = {name: site.hits for name, site in ll.SITES.items()}
     for seed in range(3):
         for dtype in (torch.bfloat16, torch.float16):
             check(1024 + 3, 512, 768, 16, dtype=dtype, device="cuda", impl="triton", p=0.1 * (seed % 2))
         skinny(1024, 512, 768, 16, 0.0, {}, dtype=torch.bfloat16, device="cuda", seed=seed)
     for name in ("fwd_h", "gemm", "bwd_dy", "bwd_da"):
-        assert ll._SITES[name].hits > hits[name], f"{name}: the fast path never ran"
-        assert ll._SITES[name].fast, f"{name}: the fast path was disabled"
+        assert ll.SITES[name].hits > hits[name], f"{name}: the fast path never ran"
+        assert ll.SITES[name].fast, f"{name}: the fast path was disabled"
     # a view whose data_ptr is not 16-byte aligned must not reuse the aligned kernel
     x = torch.randn(1024, 514, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(16, 514, device="cuda", dtype=torch.bfloat16)
@@ -473,7 +471,7 @@ def test_smem_model_counts_fp32_factor_tiles():
     assert smem_bytes("bwd_dy", dy_conf, 16, 2) == smem_bytes("bwd_dy", dy_conf, 16, 2, 2)
 
 
-# bwd_dy's shared memory as Triton 3.6 allocated it on the H100 (bench/results/smem-probe-*.txt):
+# bwd_dy's shared memory as Triton 3.6 allocated it on the H100 (a probe of compiled kernels):
 # (BLOCK_M, BLOCK_N, num_stages, R_PAD, bytes per b element, bytes), bf16 dy, SPLIT_N=4
 _BWD_DY_SMEM_H100 = [
     (256, 64, 2, 64, 2, 131072), (256, 64, 3, 64, 2, 172032), (128, 64, 2, 64, 2, 81920),

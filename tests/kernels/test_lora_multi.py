@@ -71,7 +71,7 @@ def test_forward_and_backward_match_the_per_row_reference(n_seg, S, K, N, R, n):
 def test_fused_gemm_equals_cublas_plus_expand(n_seg, S):
     """The persistent TMA GEMM with the per-segment epilogue (tiles straddle segments here)."""
     x, w, bias, a, b, ids, dy = make(n_seg, S, 48, 32, 5, 3, seed=1)
-    assert lora_multi._fused_ok(x, w.T) and lora_multi._fused_ok(dy, w)
+    assert lora_multi.fused_ok(x, w.T) and lora_multi.fused_ok(dy, w)
     y, h = lora_multi.multi_fwd(x, w, bias, a, b, ids, 0.7, fused=True)
     dx, _, _ = lora_multi.multi_bwd(dy, x, w, a, b, h, ids, 0.7, True, fused=True)
     ry, _, rdx, _, _ = per_row_reference(x, w, bias, a, b, ids, 0.7, dy)
@@ -110,7 +110,7 @@ def test_segment_tiles_fit_the_h100s_shared_memory(r_pad, factor_elt, want):
     r=16 the shipped 3 stages x 128 stay; at R_PAD=256 Triton sized those at 245760 (bf16 A) and
     376832 bytes (fp32 A) on the H100, over its 232448."""
     per_col = 64 * 2 + r_pad * factor_elt
-    stages, block = lora_multi._fitted(lambda b: per_col * b, 3, 128, 232448)
+    stages, block = lora_multi.fit_tiles(lambda b: per_col * b, 3, 128, 232448)
     assert (stages, block) == want and stages * per_col * block <= 232448
 
 

@@ -20,25 +20,25 @@ def test_best_re_times_the_finalists(monkeypatch):
         seen.append(name)
         return screen[name] if seen.count(name) == 1 else next(again[name])
 
-    monkeypatch.setattr(tuning, "_bench", fake_bench)
+    monkeypatch.setattr(tuning, "median_ms", fake_bench)
     configs = [{"id": k} for k in screen]
-    best, ms = tuning._best("gemm", configs, lambda conf: conf["id"], rep_ms=1)
+    best, ms = tuning.best_config("gemm", configs, lambda conf: conf["id"], rep_ms=1)
     assert best == {"id": "a"} and ms == 1.00
     assert "d" not in seen[len(screen):]  # only the 3 finalists are re-timed
     assert seen[len(screen):len(screen) + 3] == ["b", "a", "c"]  # interleaved, fastest screen first
 
 
 def test_best_skips_failing_configs_and_raises_when_none_runs(monkeypatch):
-    monkeypatch.setattr(tuning, "_bench", lambda fn, rep_ms: fn())
+    monkeypatch.setattr(tuning, "median_ms", lambda fn, rep_ms: fn())
 
     def run(conf):
         if conf["bad"]:
             raise RuntimeError("out of resources")
         return 2.0
 
-    assert tuning._best("fwd_h", [{"bad": True}, {"bad": False}], run, rep_ms=1) == ({"bad": False}, 2.0)
+    assert tuning.best_config("fwd_h", [{"bad": True}, {"bad": False}], run, rep_ms=1) == ({"bad": False}, 2.0)
     with pytest.raises(RuntimeError, match="no config of fwd_h ran"):
-        tuning._best("fwd_h", [{"bad": True}], run, rep_ms=1)
+        tuning.best_config("fwd_h", [{"bad": True}], run, rep_ms=1)
 
 
 @pytest.mark.gpu
@@ -51,17 +51,17 @@ def test_gpu_dispatch_timing_measures_both_sides(tmp_path, monkeypatch):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from fastaf.kernels import _cache, _graphs
+    from fastaf.kernels import cache, launch_graphs
 
     monkeypatch.setenv("FASTAF_CACHE_DIR", str(tmp_path))
-    _cache.forget()
-    data = _cache.empty(_cache.device_name(), _cache.triton_version())
-    graphs = len(_graphs.GRAPHS.graphs)
+    cache.forget()
+    data = cache.empty(cache.device_name(), cache.triton_version())
+    graphs = len(launch_graphs.GRAPHS.graphs)
     try:
         tuning.tune_shape(tuning.Shape(M=256, K=256, N=256, R=16), torch.bfloat16, ["dispatch"], data, rep_ms=5,
                           log=lambda line: None)
     finally:
-        _cache.forget()
+        cache.forget()
     for phase in ("fwd", "bwd"):
         entry = data["dispatch"][f"lora_linear.{phase}"][0]
         ms, host = entry["ms"], entry["host_ms"]
@@ -71,4 +71,4 @@ def test_gpu_dispatch_timing_measures_both_sides(tmp_path, monkeypatch):
         assert host["triton"] < host["addmm"], entry  # one launch-graph replay against 7-9 launches
         # each path costs its slower side: here cuBLAS's host, so the Triton path wins
         assert entry["winner"] == ("triton" if max(ms["triton"], host["triton"]) < host["addmm"] else "addmm")
-    assert len(_graphs.GRAPHS.graphs) <= graphs  # the tuner's launch graphs went with its tensors
+    assert len(launch_graphs.GRAPHS.graphs) <= graphs  # the tuner's launch graphs went with its tensors

@@ -1,0 +1,82 @@
+"""One intercepted use of a targeted weight -> one op call: the single op, a grouped one, a shared h,
+or per-row adapter ids.
+
+Both interceptions end here: the mode (``mode.LoRAMode``) and the weights that carry their
+adapter (``carrier``) find a linear use through ``rules.linear_use`` and hand it to ``call_op``
+with the call's mode, which holds what the choice needs (the impl, the ids, the groups, the
+siblings' shared h).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _config
+from ..ops import PLAIN_TYPES, check_rows, lora_linear_given_h, lora_linear_multi, routed_lora_linear, shareable, \
+    shared_h_fanned
+
+
+def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
+            flattened: bool = False) -> Tensor:
+    """``route``'s LoRA linear on ``x`` (..., K) with its plain ``weight`` (N, K), under ``mode``.
+
+    ``flattened``: x is Conv1D's batch-major (batch * seq, K) view, for ``adapter_ids``.
+    """
+    mode._count(route)  # inside a custom Function's forward, say, no gradient leaves
+    if mode.ids is not None:
+        ids = check_rows(mode.ids, x.shape[0], route.path, flattened=flattened)
+        return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
+                                 impl=mode.impl, where=route.path)
+    flags = _config.flags()
+    # not in a block compiled inside an eager call (FSDP2 recipes): the groups' bookkeeping
+    # (weak references, version counters) breaks dynamo's graph there, and grouping is eager-only
+    if route.siblings and mode.groups is not None and flags.group and flags.share_input != "always" \
+            and not torch.compiler.is_compiling():
+        y = mode.groups.take(route, x, weight, bias)
+        if y is None:
+            y = routed_lora_linear(x, weight, bias, route.lora, mode.impl, route.module.training, route.path)
+            mode.groups.saw(route, x)
+        return y
+    share = flags.share_input
+    if route.siblings and (share == "always" or share == "compiled" and torch.compiler.is_compiling()):
+        shared = _shared_h(mode, route, x)
+        if shared is not None:
+            h, token, fanned_weight = shared
+            # the token sums this sibling's dx with the others' over the weight it was made
+            # for; a call on another weight (a pre-hook's) makes its own
+            token = token if fanned_weight is weight else None
+            return lora_linear_given_h(x, weight, bias, h, route.lora, impl=mode.impl, where=route.path,
+                                       token=token)
+    return routed_lora_linear(x, weight, bias, route.lora, mode.impl, route.module.training, route.path)
+
+
+def _shared_h(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor] | None:
+    """``route``'s (h, token, the weight the token is for) from one pass over ``x`` shared with
+    its siblings (``shared_h_fanned``), or None (alone). The mode holds one input at a time."""
+    slot = mode.shared
+    # eagerly x's version counter catches in-place writes; traced, the mode's __torch_function__ does
+    version = 0 if torch.compiler.is_compiling() else x._version
+    # A slice is taken once: a layer that runs again (the next pass of a held mode, a module
+    # applied twice) starts a new group, as does an input changed in place since.
+    fresh = slot is not None and route.path in slot[2] and route.path not in slot[3]
+    if fresh and slot[0] is x and slot[1] == version:
+        slot[3].add(route.path)
+        return slot[2][route.path]
+    # another input: the siblings that have not run on the current one yet (o_proj alone; a
+    # cross-attention's k with v); a layer running again: all of them
+    ran = slot[3] if fresh else ()
+    group = [route] + [r for r in route.siblings if r is not route and r.path not in ran]
+    if len(group) < 2 or any(r.module.training and r.lora.dropout for r in group):
+        return None  # dropout draws a mask per layer: no shared h
+    loras = [r.lora for r in group]
+    if not shareable(x, loras):
+        return None
+    weights = [r.weight for r in group]
+    # dx summed over plain (N, K) weights only: the op mixes no DTensor (FSDP2) with plain
+    # gradients, and a Conv1D's (K, N) weight is not what its tokens are shaped by
+    fanned = weights if all(type(r.weight) in PLAIN_TYPES and not r.spec.transposed for r in group) else ()
+    hs, tokens = shared_h_fanned(x, loras, fanned, impl=mode.impl)
+    mode.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
+    return hs[0], tokens[0], weights[0]
