@@ -1,28 +1,37 @@
-"""Shared benchmark harness (BENCH.md): do_bench medians with p20/p80, JSON records, ratio tables.
+"""The harness every bench script shares: timing, the correctness check, results as CSV rows.
 
-Every script builds its rows with ``time_fn`` and hands them to ``write_results``, which stamps
-the GPU name, torch / triton versions, git SHA (or $FASTAF_SHA where the copy has no .git) and
-the date, writes ``bench/results/<bench>-<gpu-slug>.json`` (and a copy under $OUT when set), and
-``ratio_table`` prints each provider's time over the ``base`` row of the same shape and mode.
+Timing is ``triton.testing.do_bench``: the median with the 20th and 80th percentiles, of one
+provider (``time_fn``) or of all a case's providers in interleaved rounds (``time_interleaved``).
+A script collects one dict per provider and case and hands them to a ``Results``, which appends
+them to ``bench/results/<bench>.csv`` (and to ``$OUT/<bench>.csv`` when $OUT is set) with the
+columns ``META``, then the script's case columns, then its figures. ``ratio_table`` prints each
+provider's time over the ``base`` row of the same case.
 """
 from __future__ import annotations
 
-import json
+import csv
 import os
 import random
-import shutil
+import secrets
+import statistics
 import subprocess
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the columns every row opens with: who measured what, where
+META = ("run", "date", "sha", "gpu", "torch", "triton", "provider")
+
+
+# ---- timing ----------------------------------------------------------------------------------
 
 
 def time_fn(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> dict:
-    """Median, 20th and 80th percentile milliseconds of ``fn`` (triton.testing.do_bench)."""
+    """Median, 20th and 80th percentile milliseconds of ``fn`` (``triton.testing.do_bench``)."""
     import triton.testing
 
     p50, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
@@ -38,8 +47,6 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
     Returns ``{key: {"ms", "p20", "p80", "rounds": [per-round medians]}}`` over the pooled samples;
     the spread of a provider's per-round medians is its noise.
     """
-    import statistics
-
     import triton.testing
 
     samples: dict = {k: [] for k in fns}
@@ -53,8 +60,7 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
         # (seeded) order each round, so no provider always follows the same neighbour
         random.Random(i).shuffle(order)
         for key in order:
-            fn = fns[key]
-            times = triton.testing.do_bench(fn, warmup=warmup, rep=max(1, rep // rounds), return_mode="all")
+            times = triton.testing.do_bench(fns[key], warmup=warmup, rep=max(1, rep // rounds), return_mode="all")
             samples[key] += times
             medians[key].append(round(statistics.median(times), 5))
     out = {}
@@ -64,51 +70,26 @@ def time_interleaved(fns: dict, rounds: int = 3, warmup: int = 25, rep: int = 20
     return out
 
 
-def checked(candidates: dict, ref: torch.Tensor, label: str, tol: float = 1e-2) -> dict:
-    """The ``candidates`` (name -> fn) whose output is within ``tol`` relative error of ``ref``;
-    one that fails to build or run, or misses, is printed and left out (a finding, not a crash)."""
-    kept = {}
-    for name, fn in candidates.items():
-        try:
-            err = rel_err(fn(), ref)
-        except Exception as e:  # noqa: BLE001 - a config Triton refuses is a finding
-            print(f"  {label} {name}: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        if not err < tol:
-            print(f"  !! {label} {name}: rel err {err:.3g}")
-            continue
-        kept[name] = fn
-    return kept
-
-
-def graph_rounds(fns: dict, rounds: int, rep: int = 60) -> dict[str, list[float]]:
-    """GPU microseconds of each ``fns[key]`` from CUDA-graph replays (``do_bench_cudagraph``'s
-    median), one sample per interleaved round: host time drops out, the GPU's drift spreads over
-    every key."""
-    import triton.testing
-
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            times[key].append(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3)
-    return times
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64: the correctness check before a provider is timed."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+# ---- where and what ran ------------------------------------------------------------------------
+
+
 def git_sha() -> str:
+    """``$FASTAF_SHA`` (a copy of the tree without its .git, or another tree's build), else HEAD's."""
     sha = os.environ.get("FASTAF_SHA")
     if sha:
         return sha
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
+        return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return ""
 
 
 def gpu_name() -> str:
@@ -116,46 +97,125 @@ def gpu_name() -> str:
 
 
 def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (chart file names)."""
     import re
 
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def meta(**extra) -> dict:
-    import triton
-
-    return {"gpu": gpu_name(), "torch": torch.__version__, "triton": triton.__version__, "fastaf_sha": git_sha(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **extra}
-
-
-def write_results(bench: str, rows: list[dict], extra_meta: Optional[dict] = None) -> Path:
-    path = RESULTS / f"{bench}-{slug(gpu_name())}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta(**(extra_meta or {})), "rows": rows}, indent=1) + "\n")
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
-    return path
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:  # a CPU-only machine without triton: the CPU smoke runs still write rows
+        return ""
+    return triton.__version__
 
 
-def ratio_table(rows: list[dict], shape_keys: tuple[str, ...], providers: list[str]) -> str:
-    """One line per shape: each provider's fwd | fwd_bwd median over the base's."""
-    shapes = []
+def run_meta() -> dict:
+    """The META columns but ``provider``, one value per invocation: the run id is UTC time plus a
+    random suffix, so two runs started in the same second on two machines stay apart."""
+    now = datetime.now(timezone.utc)
+    return {"run": now.strftime("%Y%m%dT%H%M%SZ-") + secrets.token_hex(2), "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "sha": git_sha(), "gpu": gpu_name(), "torch": torch.__version__, "triton": _triton_version()}
+
+
+# ---- results as rows ---------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _header(path: Path) -> Optional[list[str]]:
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with path.open(newline="") as f:
+        return next(csv.reader(f), None)
+
+
+def _check_header(path: Path, columns: tuple[str, ...]) -> None:
+    """A file written with other columns is an error, not an append: its rows would misalign."""
+    found = _header(path)
+    if found is not None and tuple(found) != columns:
+        raise SystemExit(f"{path} has the columns\n  {','.join(found)}\nbut this script writes\n  {','.join(columns)}\n"
+                         f"Write to another file (--name) or convert {path.name} to the new columns first.")
+
+
+class Results:
+    """Rows of one bench, appended to ``<directory>/<bench>.csv`` and, when $OUT is set, to
+    ``$OUT/<bench>.csv``.
+
+    Columns: ``META``, then ``case`` (what was measured: shapes, modes, batch), then ``figures``
+    (what came out: ``ms``, ``p20``, ``p80``, ``max_mem_gib``, ...). Both files' headers are
+    checked when the Results is made, before anything is timed, and again at each append. A row
+    may leave any case or figure column out (an empty cell); a key outside the columns is an error.
+    """
+
+    def __init__(self, bench: str, case: Sequence[str], figures: Sequence[str], directory: Path = RESULTS):
+        self.columns = META + tuple(case) + tuple(figures)
+        if len(set(self.columns)) != len(self.columns):
+            raise ValueError(f"duplicate columns in {self.columns}")
+        self.paths = [Path(directory) / f"{bench}.csv"]
+        if os.environ.get("OUT"):
+            self.paths.append(Path(os.environ["OUT"]) / f"{bench}.csv")
+        for path in self.paths:
+            _check_header(path, self.columns)
+        self.meta = run_meta()
+
+    def append(self, rows: list[dict]) -> Path:
+        """Append ``rows`` (each with its ``provider``; the run's META filled in) to every file."""
+        lines = []
+        for row in rows:
+            extra = sorted(set(row) - set(self.columns))
+            if extra:
+                raise ValueError(f"row for {row.get('provider')!r} has keys outside the columns: {extra}")
+            full = {**self.meta, **row}
+            lines.append([_cell(full.get(c)) for c in self.columns])
+        for path in self.paths:
+            _check_header(path, self.columns)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            new = _header(path) is None
+            with path.open("a", newline="") as f:
+                out = csv.writer(f)
+                if new:
+                    out.writerow(self.columns)
+                out.writerows(lines)
+        return self.paths[0]
+
+
+def read(bench: str, directory: Path = RESULTS) -> list[dict]:
+    """Every row of ``<bench>.csv`` in file order (oldest first: runs only append), as strings."""
+    path = Path(directory) / f"{bench}.csv"
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ---- the printed table ---------------------------------------------------------------------------
+
+
+def ratio_table(rows: list[dict], case: Sequence[str], base: str = "base",
+                label: Callable[[dict], str] = lambda r: r["provider"]) -> str:
+    """One line per case: the ``base`` row's ms, then each other row's ms over it ("-" where the
+    case has no base row). ``case``: the columns that must match the base row's."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        s = tuple(r[k] for k in shape_keys)
-        if s not in shapes:
-            shapes.append(s)
-    by = {(tuple(r[k] for k in shape_keys), r["mode"], r["provider"]): r["ms"] for r in rows}
-    head = " ".join(f"{k:>6s}" for k in shape_keys) + " | base ms fwd/fb | " + " | ".join(f"{p:>13s}" for p in providers)
-    lines = [head, "-" * len(head)]
-    for s in shapes:
-        cells = []
-        for p in providers:
-            vals = []
-            for mode in ("fwd", "fwd_bwd"):
-                base, t = by.get((s, mode, "base")), by.get((s, mode, p))
-                vals.append(f"{t / base:.3f}" if base and t else "  -  ")
-            cells.append(f"{vals[0]:>6s}|{vals[1]:<6s}")
-        base = [by.get((s, m, "base")) for m in ("fwd", "fwd_bwd")]
-        bstr = "/".join(f"{b:.3f}" if b else "-" for b in base)
-        lines.append(" ".join(f"{v:>6}" for v in s) + f" | {bstr:>15s} | " + " | ".join(f"{c:>13s}" for c in cells))
+        groups.setdefault(tuple(r.get(k) for k in case), []).append(r)
+    lines = []
+    for key, group in groups.items():
+        ref = next((r["ms"] for r in group if r["provider"] == base and r.get("ms")), None)
+        head = " ".join(f"{k}={v}" for k, v in zip(case, key))
+        cells = [f"{base} {ref:.4g} ms" if ref else f"{base} -"]
+        for r in group:
+            if r["provider"] == base or r.get("ms") is None:
+                continue
+            cells.append(f"{label(r)} {r['ms'] / ref:.3f}x" if ref else f"{label(r)} {r['ms']:.4g} ms")
+        lines.append(f"{head}: " + "  ".join(cells))
     return "\n".join(lines)

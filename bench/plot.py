@@ -1,16 +1,15 @@
-"""Charts of the committed end-to-end and linear results, next to their JSON.
+"""Charts of bench/results/e2e.csv and linear.csv, one per bench and GPU, beside them as PNGs.
 
     python bench/plot.py          # needs matplotlib (pip install -e ".[bench]")
 
-Renders the results that bench_e2e.py and bench_linear.py write, ``bench/results/<bench>-<gpu>.json``,
-to PNGs beside them: ``e2e-<gpu>.png`` (each provider's training step time ÷ the frozen model's
-forward+backward, horizontal bars) and ``linear-<gpu>.png`` (each LoRA linear provider's time ÷ the
-cuBLAS base per shape, forward and forward+backward). A/B runs and diagnostics, whose names carry a
-tag before the GPU (``e2e-liger-<gpu>.json``), are not charted.
+``e2e-<gpu>.png``: each provider's training step time over the frozen model's forward+backward
+(the Llama-3.2-1B shape, 8 x 1024 tokens, one adapter), horizontal bars. ``linear-<gpu>.png``:
+each LoRA linear provider's time over the cuBLAS base per shape, forward and forward+backward.
+Each bar is the newest row of its provider and case on that GPU whose run also timed the base of
+that case: a ratio is only ever taken within one process. Rows are newest last (runs append).
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,78 +19,95 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._harness import RESULTS, slug  # noqa: E402
+from bench._harness import RESULTS, read, slug  # noqa: E402
 
-E2E_LABELS = {  # provider -> what it runs (bench_e2e.py's docstring)
+E2E_LABELS = {  # provider -> what it runs (e2e.py's docstring)
     "base": "frozen model fwd+bwd (base)",
     "base-func": "frozen model under torch.func.grad",
     "base-compiled": "frozen model fwd+bwd, torch.compile",
     "peft": "PEFT, fp32 adapters",
     "peft-bf16": "PEFT, bf16 adapters",
+    "peft-bf16-compiled": "PEFT, bf16 adapters, torch.compile",
     "fastaf-init": "fastaf init + loss.backward()",
     "fastaf-autograd": "fastaf functional_call + autograd",
     "fastaf-func": "fastaf functional_call + torch.func.grad",
+    "fastaf-autograd-compiled": "fastaf compiled functional_call + autograd",
     "fastaf-func-compiled": "fastaf compiled torch.func.grad (fullgraph)",
 }
+E2E_CASE = {"model": "llama-3.2-1b-shape", "batch": "8", "seq": "1024"}
 LINEAR_PROVIDERS = {"addmm": "addmm (unsloth's path)", "peft": "PEFT", "fastaf": "fastaf"}
 COLORS = {"base": "0.6", "peft": "tab:orange", "addmm": "tab:blue", "fastaf": "tab:green"}
-LINEAR_CAP = 1.6  # taller bars are cut here and labelled: the host-bound M=2048 cells reach 4.3x
+LINEAR_CAP = 1.6  # taller bars are cut here and labelled: the host-bound M=2048 cells reach 4x
 
 
 def color(provider: str) -> str:
     return COLORS.get(provider.split("-")[0], "0.6")
 
 
-def title(meta: dict) -> str:
-    return f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']} (fastaf {meta['fastaf_sha']})"
+def newest(rows: list[dict], case: tuple[str, ...], providers) -> dict[tuple, tuple[dict, dict]]:
+    """{(provider, *case values): (row, its run's base row of that case)}: per provider and case,
+    the newest row whose run has a timed ``base`` row of the same case."""
+    bases = {(r["run"], *(r[k] for k in case)): r for r in rows if r["provider"] == "base" and r["ms"]}
+    out: dict[tuple, tuple[dict, dict]] = {}
+    for r in reversed(rows):  # newest first
+        key = (r["provider"], *(r[k] for k in case))
+        base = bases.get((r["run"], *(r[k] for k in case)))
+        if r["provider"] in providers and r["ms"] and base is not None and key not in out:
+            out[key] = (r, base)
+    return out
 
 
-def results(bench: str) -> list[tuple[Path, dict]]:
-    """Each ``<bench>-<gpu slug>.json`` in bench/results with its contents, the name as the harness writes it."""
-    found = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob(f"{bench}-*.json"))]
-    return [(path, data) for path, data in found if path.name == f"{bench}-{slug(data['meta']['gpu'])}.json"]
+def versions(pairs) -> str:
+    """The GPU, torch / triton versions and fastaf builds the plotted rows come from."""
+    rows = [r for pair in pairs for r in pair]
+    pick = lambda col: ", ".join(sorted({r[col] or "?" for r in rows}))  # noqa: E731
+    return f"{rows[0]['gpu']}, torch {pick('torch')}, triton {pick('triton')}\nfastaf {pick('sha')}"
 
 
-def plot_e2e(path: Path, data: dict) -> Path:
-    """Horizontal bars: each provider's step time ÷ the base row's, slowest at the bottom. Rows
-    marked ``invalid`` (a timing of a broken step) are left out and named under the chart."""
-    invalid = [r["provider"] for r in data["rows"] if r.get("invalid")]
-    rows = [r for r in data["rows"] if not r.get("invalid")]
-    base = next(r["ms"] for r in rows if r["provider"] == "base")
-    rows = sorted(rows, key=lambda r: r["ms"], reverse=True)
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
-    y = range(len(rows))
-    ax.barh(y, [r["ms"] / base for r in rows], color=[color(r["provider"]) for r in rows])
-    for i, r in enumerate(rows):
-        ax.text(r["ms"] / base + 0.02, i, f"{r['ms'] / base:.2f}x  ({r['ms']:.0f} ms)", va="center", fontsize=9)
-    ax.set_yticks(list(y), [E2E_LABELS.get(r["provider"], r["provider"]) for r in rows])
+def plot_e2e(gpu: str, rows: list[dict]) -> Path | None:
+    """Horizontal bars: each provider's step time over its run's base, slowest at the bottom."""
+    rows = [r for r in rows if all(r[k] == v for k, v in E2E_CASE.items()) and r["adapters"] in ("0", "1")]
+    found = newest(rows, ("model", "batch", "seq", "r"), E2E_LABELS)
+    if not found:
+        return None
+    bars = sorted(((float(r["ms"]) / float(b["ms"]), float(r["ms"]), r) for r, b in found.values()),
+                  key=lambda t: t[0], reverse=True)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.6))
+    y = range(len(bars))
+    ax.barh(y, [q for q, _, _ in bars], color=[color(r["provider"]) for _, _, r in bars])
+    for i, (q, ms, _) in enumerate(bars):
+        ax.text(q + 0.02, i, f"{q:.2f}x  ({ms:.0f} ms)", va="center", fontsize=9)
+    ax.set_yticks(list(y), [E2E_LABELS[r["provider"]] for _, _, r in bars])
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlim(0, max(r["ms"] for r in rows) / base * 1.3)
-    ax.set_xlabel("step time ÷ frozen model forward+backward (lower is better)"
-                  + (f"\nleft out, timed invalid in this run: {', '.join(invalid)}" if invalid else ""))
-    r0, meta = rows[0], data["meta"]
-    ax.set_title(f"One LoRA training step: Llama-3.2-1B shape, {meta['batch']}x{meta['seq']} tokens, "
-                 f"r={r0['r']}, {r0['dtype']}\n{title(meta)}", fontsize=10)
-    return save(fig, path)
+    ax.set_xlim(0, max(q for q, _, _ in bars) * 1.3)
+    ax.set_xlabel("step time ÷ frozen model forward+backward in the same run (lower is better)")
+    r0 = bars[0][2]
+    ax.set_title(f"One LoRA training step: Llama-3.2-1B shape, {r0['batch']}x{r0['seq']} tokens, r={r0['r']}, "
+                 f"bf16\n{versions(found.values())}", fontsize=10)
+    return save(fig, RESULTS / f"e2e-{slug(gpu)}.png")
 
 
-def plot_linear(path: Path, data: dict) -> Path:
-    """Grouped bars per shape: each provider's time ÷ the cuBLAS base, forward above, fwd+bwd below."""
-    rows = data["rows"]
-    shapes = sorted({(r["M"], r["K"], r["N"], r["r"]) for r in rows})
-    ms = {(r["M"], r["K"], r["N"], r["r"], r["mode"], r["provider"]): r["ms"] for r in rows}
+def plot_linear(gpu: str, rows: list[dict]) -> Path | None:
+    """Grouped bars per shape: each provider's time over the cuBLAS base, forward above, fwd+bwd below."""
+    case = ("mode", "M", "K", "N", "r")
+    found = newest(rows, case, LINEAR_PROVIDERS)
+    if not found:
+        return None
+    shapes = sorted({tuple(int(v) for v in key[2:]) for key in found})
+    ratio = {key: float(r["ms"]) / float(b["ms"]) for key, (r, b) in found.items()}
     fig, axes = plt.subplots(2, 1, figsize=(15, 8), sharex=True)
     width = 0.8 / len(LINEAR_PROVIDERS)
     for ax, mode in zip(axes, ("fwd", "fwd_bwd")):
         for j, (provider, label) in enumerate(LINEAR_PROVIDERS.items()):
-            xs, ratios = [], []
+            xs, qs = [], []
             for i, shape in enumerate(shapes):
-                if (*shape, mode, provider) in ms:
+                key = (provider, mode, *map(str, shape))
+                if key in ratio:
                     xs.append(i + (j - (len(LINEAR_PROVIDERS) - 1) / 2) * width)
-                    ratios.append(ms[(*shape, mode, provider)] / ms[(*shape, mode, "base")])
+                    qs.append(ratio[key])
             # bars rise from 1.0: the height is the overhead over the base, where providers differ
-            ax.bar(xs, [min(q, LINEAR_CAP) - 1 for q in ratios], width, bottom=1, color=color(provider), label=label)
-            for x, q in zip(xs, ratios):
+            ax.bar(xs, [min(q, LINEAR_CAP) - 1 for q in qs], width, bottom=1, color=color(provider), label=label)
+            for x, q in zip(xs, qs):
                 if q > LINEAR_CAP:
                     ax.text(x, LINEAR_CAP, f"{q:.1f}", ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_ylim(1.0, LINEAR_CAP + 0.12)
@@ -105,24 +121,25 @@ def plot_linear(path: Path, data: dict) -> Path:
         axes[0].text(sum(group) / len(group), LINEAR_CAP + 0.1, f"M = {m} tokens", ha="center", va="top")
     axes[0].legend(loc="upper right", ncol=len(LINEAR_PROVIDERS), bbox_to_anchor=(1, 0.88))
     axes[1].set_xticks(range(len(shapes)), [f"K={k}\nN={n}\nr={r}" for _, k, n, r in shapes], fontsize=8)
-    axes[0].set_title(f"One LoRA linear (K×N frozen weight, {rows[0]['dtype']}), lower is better\n"
-                      f"{title(data['meta'])}", fontsize=10)
-    return save(fig, path)
+    axes[0].set_title(f"One LoRA linear (K×N frozen weight, bf16), lower is better\n{versions(found.values())}",
+                      fontsize=10)
+    return save(fig, RESULTS / f"linear-{slug(gpu)}.png")
 
 
 def save(fig: plt.Figure, path: Path) -> Path:
-    out = path.with_suffix(".png")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return out
+    return path
 
 
 def main() -> None:
-    for path, data in results("e2e"):
-        print(plot_e2e(path, data))
-    for path, data in results("linear"):
-        print(plot_linear(path, data))
+    for bench, plot in (("e2e", plot_e2e), ("linear", plot_linear)):
+        rows = read(bench)
+        for gpu in sorted({r["gpu"] for r in rows} - {"cpu"}):
+            path = plot(gpu, [r for r in rows if r["gpu"] == gpu])
+            if path:
+                print(path)
 
 
 if __name__ == "__main__":
