@@ -149,8 +149,7 @@ def train(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, adapter: f
         pairs = [example(rng, tpl, TRAIN_PLACES, TRAIN_MINUTES) for tpl in templates[(step - 1) * BATCH: step * BATCH]]
         batch, tokens = encode(tokenizer, pairs, SEQ if cuda else None, device)
         grads, loss = step_fn(adapter, batch)
-        # linear decay to 0: at a constant 3e-3 the held-out score swung late in training (an earlier
-        # version of the task: 25/25 at step 24, 18/25 at step 30)
+        # linear decay to 0: at a constant 3e-3 the held-out score swings late in training
         adapter = adam(adapter, grads, state, step, LR * (1 - (step - 1) / STEPS))
         loss = loss.item()  # waits for the step
         tokens_s = tokens / (time.perf_counter() - t)
