@@ -60,12 +60,13 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
+from safetensors.torch import save_file
 from torch import nn
 
 from . import _config
 from ._layouts import check_module
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
-from .intercept import Groups, explicit_mode_active, link_siblings, module_mode, module_routes
+from .intercept import Groups, check_lost, explicit_mode_active, link_siblings, module_mode, module_routes
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 
@@ -278,6 +279,9 @@ class _Registry(nn.Module):
         # inside functional_call the explicit adapter stands in for the active one
         mode = None if explicit_mode_active() else self.mode(keys, module)
         if mode is not None:
+            for route in mode.all_routes():  # this run's uses (leave_module checks them): one run
+                route.hits = route.gradless = 0
+                route.calls = 1
             mode.__enter__()
         stack.append((module, mode, self))
 
@@ -370,7 +374,12 @@ class _Registry(nn.Module):
             return
         stack = _open_modes()
         if stack and stack[-1][0] is module:
-            _close(stack.pop()[1])
+            mode = stack.pop()[1]
+            _close(mode)
+            if mode is not None and sys.exc_info()[0] is None:
+                # the module ran: a weight it used in no way fastaf adapts (a bitsandbytes Linear4bit,
+                # a forward reading weight.data) lost its LoRA, as functional_call reports
+                check_lost(mode.all_routes(), f"fastaf: the active adapter {self.active!r}")
 
 
 def _warn_compiled_above(modules: Mapping[str, nn.Module], paths: list[str]) -> None:
@@ -601,6 +610,7 @@ def _set_active_adapter(self: nn.Module, name: str | None) -> None:
                 raise ValueError(f"set_active_adapter({name!r}): the adapter does not fit "
                                  f"{type(base).__name__} as it is now: {err}") from err
         registry.activate(base, name)
+    self.active_adapter = name
 
 
 def _remove_adapter(self: nn.Module, name: str) -> None:
@@ -620,9 +630,90 @@ def _get_adapter(self: nn.Module, name: str) -> Adapter:
     return _registry(self).slot(name).adapter(detach=True)
 
 
-def _active_adapter(self: nn.Module) -> str | None:
-    """The active adapter's name, or None when the model runs as the base."""
-    return _registry(self).active
+# ---- Hugging Face's save and load path ------------------------------------------------------------
+
+_HF_WEIGHTS = "model.safetensors"  # the file Trainer's resume_from_checkpoint and load_best_model_at_end read
+_IGNORED_SAVE_KWARGS = ("safe_serialization", "max_shard_size")  # always safetensors, one small file
+
+
+def _save_pretrained(self: nn.Module, save_directory: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None,
+                     is_main_process: bool = True, selected_adapters: list[str] | None = None, **kwargs: Any) -> None:
+    """Write the adapters in PEFT's layout, as ``PeftModel.save_pretrained`` does, not the base weights.
+
+    The active adapter (with none active, the only one) goes into ``save_directory`` itself, every
+    other into ``save_directory/<name>/``, each as ``adapter_model.safetensors`` +
+    ``adapter_config.json`` with its name recorded: ``PeftModel.from_pretrained(base, dir)`` and
+    ``fastaf.load_adapter(model, dir)`` read them. Beside them, ``model.safetensors`` holds every
+    adapter's factors under the model's own state-dict names (``fastaf.adapters.<name>...``), a few
+    MB: HF Trainer's ``resume_from_checkpoint`` and ``load_best_model_at_end`` load that file with
+    ``model.load_state_dict``, which an ``fa.init`` model reads as its adapters alone.
+
+    Args:
+        save_directory: the folder (created if missing).
+        state_dict: the model's state dict, as Trainer passes it (gathered under FSDP): the factors
+            are read from it, on the writing rank alone. Without it they are read from the model
+            (factors FSDP2 sharded are gathered: call it on every rank).
+        is_main_process: False on the ranks that do not write (Trainer's ``should_save``).
+        selected_adapters: the adapters to write (default: all).
+    """
+    from .io import atomic, save_adapter
+
+    unsupported = sorted(set(kwargs) - set(_IGNORED_SAVE_KWARGS))
+    if unsupported:
+        raise TypeError(
+            f"save_pretrained of a fastaf.init model writes its adapters in PEFT's layout and takes no {unsupported}; "
+            "to upload, use fastaf.push_adapter_to_hub(model, name=..., repo_id=...)"
+        )
+    registry = _registry(self)
+    names = list(registry.adapters) if selected_adapters is None else list(selected_adapters)
+    for name in names:
+        registry.slot(name)  # unknown names fail before anything is written
+    if not names:
+        raise ValueError(f"save_pretrained: {type(self).__name__} has no fastaf adapters to save; add one first")
+    top = registry.active if registry.active in names else (names[0] if len(names) == 1 else None)
+    prefix = _ATTR + "."
+    if state_dict is not None:
+        given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        adapters = {name: _slot_from(registry.slot(name), f"adapters.{name}.", given) for name in names}
+        factors = {prefix + k: v for k, v in given.items()}
+    else:  # every rank gathers (a collective under FSDP2); the writer writes
+        adapters = {name: registry.slot(name).adapter(detach=True) for name in names}
+        factors = {f"{prefix}adapters.{name}.{key}.{f}": _whole(getattr(p, f))
+                   for name in names for key, p in registry.slot(name).items() for f in ("A", "B")}
+    if not is_main_process:
+        return
+    directory = Path(save_directory)
+    with _without_registry(self) as base:
+        for name in names:
+            target = directory if name == top else directory / name
+            save_adapter(adapters[name], target, config=registry.slot(name).config, name=name, model=base)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in factors.items()}
+    atomic.replace_files(directory, {_HF_WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"})})
+
+
+def _slot_from(slot: _AdapterSlot, prefix: str, state: Mapping[str, torch.Tensor]) -> Adapter:
+    """Adapter ``slot``'s LoRAs with the factors a state dict gives (keys below ``prefix``)."""
+    loras = {}
+    for key, p in slot.items():
+        try:
+            a, b = state[f"{prefix}{key}.A"], state[f"{prefix}{key}.B"]
+        except KeyError as err:
+            raise ValueError(f"save_pretrained: the state_dict passed lacks {_ATTR}.{err.args[0]} (adapter "
+                             f"{prefix.split('.')[1]!r} at {p.path})") from None
+        loras[p.path] = LoRA(a.detach(), b.detach(), p.scale, p.dropout, p.experts)
+    return Adapter(loras)
+
+
+def _load_state_dict(self: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    """``nn.Module.load_state_dict``, but a state dict of the adapters alone (every key under
+    ``fastaf.``: what ``save_pretrained`` writes for Trainer's resume) loads the adapters alone,
+    with no base key reported missing. Keys of adapters the model lacks are unexpected keys."""
+    prefix = _ATTR + "."
+    if state_dict and all(isinstance(k, str) and k.startswith(prefix) for k in state_dict):
+        result = _registry(self).load_state_dict({k[len(prefix):]: v for k, v in state_dict.items()},
+                                                 strict=strict, assign=assign)
+        return type(result)([prefix + k for k in result.missing_keys], [prefix + k for k in result.unexpected_keys])
+    return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
 
 
 class _Method:
@@ -652,7 +743,12 @@ _METHODS = {
     "set_active_adapter": _set_active_adapter,
     "remove_adapter": _remove_adapter,
     "get_adapter": _get_adapter,
-    "active_adapter": _active_adapter,
+}
+# Bound over the class's own: HF's save path (Trainer.save_model, checkpoints, resume) goes through
+# them (``_save_pretrained``, ``_load_state_dict``)
+_OVERRIDES = {
+    "save_pretrained": _save_pretrained,
+    "load_state_dict": _load_state_dict,
 }
 
 
@@ -674,15 +770,16 @@ def init(model: nn.Module) -> nn.Module:
     if isinstance(getattr(model, _ATTR, None), _Registry):
         return model  # a compiled wrapper of an inited model too: it reads the model's attributes
     _refuse_wrapper(model, "fastaf.init")
-    taken = [n for n in (_ATTR, *_METHODS) if hasattr(model, n)]
+    taken = [n for n in (_ATTR, *_METHODS, "active_adapter") if hasattr(model, n)]
     if taken:
         raise ValueError(f"fastaf.init: {type(model).__name__} already has attribute(s) {taken}")
     for p in model.parameters():
         p.requires_grad_(False)
     model.add_module(_ATTR, _Registry())
     getattr(model, _ATTR).attach(model)
-    for name, fn in _METHODS.items():
+    for name, fn in (*_METHODS.items(), *_OVERRIDES.items()):
         setattr(model, name, _Method(fn, model))
+    model.active_adapter = None  # the active adapter's name, as PEFT's property gives it
     return model
 
 
@@ -732,8 +829,8 @@ def _default_name(path_or_repo_id: str | Path) -> str:
 
 def load_adapter(
     model: nn.Module,
-    *,
     path_or_repo_id: str | Path,
+    *,
     name: str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,

@@ -64,7 +64,7 @@ def test_init_freezes_base_and_is_idempotent():
     n_params = len(list(model.parameters()))
     assert fa.init(model) is model
     registry, forward = model.fastaf, model.forward
-    assert trainable(model) == set() and model.active_adapter() is None
+    assert trainable(model) == set() and model.active_adapter is None
     model.add_new_adapter("a", fa.LoRAConfig(r=2, alpha=4, targets=["q_proj"]))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fa.init(model)  # a no-op: same registry, forward, adapters and values
@@ -81,7 +81,7 @@ def test_active_adapter_alone_is_trainable_and_removal_deactivates():
     assert trainable(model) == {n for n, _ in model.named_parameters() if n.startswith("fastaf.adapters.b.")}
     assert all(n.endswith((".A", ".B")) for n in trainable(model))
     model.remove_adapter("b")
-    assert model.active_adapter() is None and trainable(model) == set()
+    assert model.active_adapter is None and trainable(model) == set()
     assert list(model.fastaf.adapters) == ["a"]
     assert not any(n.startswith("fastaf.adapters.b.") for n, _ in model.named_parameters())
 
@@ -247,7 +247,7 @@ def test_deepcopy_is_independent():
     twin = copy.deepcopy(model)
     assert twin.forward.__self__ is twin and twin.get_adapter.__self__ is twin
     twin.set_active_adapter(None)
-    assert model.active_adapter() == "b"
+    assert model.active_adapter == "b"
     ids = token_batch()
     with torch.no_grad():
         assert not torch.equal(twin(ids).logits, model(ids).logits)
@@ -259,13 +259,13 @@ def test_whole_model_saves_and_loads_with_torch_save(tmp_path):
     _, model = inited()
     torch.save(model, tmp_path / "model.pt")
     twin = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert twin.get_adapter.__self__ is twin and twin.active_adapter() == "b"
+    assert twin.get_adapter.__self__ is twin and twin.active_adapter == "b"
     assert list(inspect.signature(twin.add_new_adapter).parameters)[:2] == ["name", "config"]  # as bound
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(twin(ids).logits, model(ids).logits)
         twin.set_active_adapter(None)
-        assert model.active_adapter() == "b" and not torch.equal(twin(ids).logits, model(ids).logits)
+        assert model.active_adapter == "b" and not torch.equal(twin(ids).logits, model(ids).logits)
 
 
 # ---- training through HF Trainer ----------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_unknown_names_are_clear_errors(tmp_path):
     for call in calls:
         with pytest.raises(KeyError, match=r"'nope'.*\['a', 'b'\]"):
             call()
-    assert model.active_adapter() == "b" and list(tmp_path.iterdir()) == []
+    assert model.active_adapter == "b" and list(tmp_path.iterdir()) == []
 
 
 def test_not_inited_is_a_clear_error(tmp_path):
@@ -372,7 +372,7 @@ def test_save_and_load_round_trip_keeps_the_name(tmp_path):
 
     fresh = copy.deepcopy(base)  # never inited: load_adapter inits it
     assert fa.load_adapter(fresh, path_or_repo_id=tmp_path / "checkpoints") == "b"  # the saved name
-    assert fresh.active_adapter() is None and trainable(fresh) == set()
+    assert fresh.active_adapter is None and trainable(fresh) == set()
     assert_adapters_equal(fresh.get_adapter("b"), model.get_adapter("b"))
     fresh.set_active_adapter("b")
     ids = token_batch()
@@ -430,7 +430,7 @@ def test_activating_an_adapter_the_model_outgrew_is_an_error():
     model.resize_token_embeddings(VOCAB + 8)
     with pytest.raises(ValueError, match=r"set_active_adapter\('head'\).*lm_head.*B \(96, 2\)"):
         model.set_active_adapter("head")
-    assert model.active_adapter() == "b"  # as inited() left it
+    assert model.active_adapter == "b"  # as inited() left it
 
 
 def test_a_wrapper_of_an_inited_model_points_to_its_module(tmp_path):
@@ -914,7 +914,7 @@ def test_a_name_that_is_not_a_str_is_a_type_error():
     for call in (model.get_adapter, model.remove_adapter):
         with pytest.raises(TypeError, match=r"an adapter name is a str, got list \['a'\]"):
             call(["a"])
-    assert model.active_adapter() == "b" and list(model.fastaf.adapters) == ["a", "b"]
+    assert model.active_adapter == "b" and list(model.fastaf.adapters) == ["a", "b"]
 
 
 def test_seed_with_an_adapter_is_an_error():

@@ -191,7 +191,10 @@ def scoped_call(
             "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
         )
     if compiling:
-        with mode:  # tracers see the mode alone (no hooks to register inside a graph)
+        # tracers see the mode alone (no hooks to register inside a graph): a module's runs are not
+        # counted, so a module that loses its LoRA is seen eagerly (and by the stateful layer's
+        # hooks, which a compiled model keeps), not here
+        with mode:
             return run()
     try:
         if _config.flags().carry and carrier.eligible(model, mode, params):
@@ -289,16 +292,22 @@ _UNADAPTED = (", but used its weight in a way fastaf does not adapt (it adapts F
               "Merge it instead: fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))")
 
 
-def _check_applied(routes: list[Route]) -> None:
-    """Raise for modules that ran with their LoRA unapplied (a carried weight: whose weight was used
-    only in ways not adapted), or applied only where no gradient reaches it; warn for modules that
-    never ran."""
+def check_lost(routes: list[Route], caller: str) -> None:
+    """Raise for modules that ran with their LoRA unapplied (their weight used only in ways not
+    adapted: a bitsandbytes ``Linear4bit``, a forward reading ``weight.data``), or applied only
+    where no gradient reaches it. Every entry point checks this after the modules ran: ``caller``
+    names it (``functional_call``, ``generate``, the stateful layer's forward)."""
     for count, what, why in (("gradless", "used its weight {} time(s)", _GRADLESS),
                              ("calls", "ran {} time(s)", _UNADAPTED)):
         lost = [r for r in routes if r.hits == 0 and getattr(r, count) > 0]
         if lost:
-            raise ValueError("fastaf.functional_call: " + "; ".join(
+            raise ValueError(f"{caller}: " + "; ".join(
                 f"{r.path} ({type(r.module).__name__}) {what.format(getattr(r, count))}" for r in lost[:5]) + why)
+
+
+def _check_applied(routes: list[Route]) -> None:
+    """``check_lost``, and a warning for modules that never ran."""
+    check_lost(routes, "fastaf.functional_call")
     missed = [r.path for r in routes if r.hits == 0]
     if missed:
         warnings.warn(

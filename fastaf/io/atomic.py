@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 COMMIT_DIR = ".fastaf-commit"
 STAGING_PREFIX = ".fastaf-tmp-"
@@ -92,7 +93,10 @@ def replace_files(directory: Path, writers: Mapping[str, Callable[[Path], None]]
     """
     directory.mkdir(parents=True, exist_ok=True)
     finish_pending(directory)
-    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=directory))
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=directory))
+    except OSError as err:
+        _raise_refused(err, directory)
     try:
         # mkdtemp makes it 0700; as the commit folder, readers of other users must see into it
         os.chmod(staging, 0o755)
@@ -101,10 +105,22 @@ def replace_files(directory: Path, writers: Mapping[str, Callable[[Path], None]]
             _fsync(staging / name)
         _fsync(staging)
         _commit(staging, directory)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        _raise_refused(err, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finish_pending(directory)
+
+
+def _raise_refused(err: OSError, directory: Path) -> NoReturn:
+    """Raise ``err`` again, or, where it names the hidden staging or commit folder (the file system
+    refused the write there), the same class and errno naming the folder the caller asked for."""
+    where = str(err.filename or "")
+    if where and STAGING_PREFIX not in where and COMMIT_DIR not in where:
+        raise err  # names a path of the caller's already
+    raise type(err)(err.errno, err.strerror or str(err), str(directory)) from err
 
 
 def _commit(staging: Path, directory: Path) -> None:

@@ -553,7 +553,7 @@ def _unflatten(y: Tensor, x: Tensor) -> Tensor:
     shape = (*x.shape[:-1], y.shape[-1])
     return _unsafe_view(y, shape) if _direct_ok(y) else y.view(shape)
 _direct_apply = _LoRALinearDirect.apply  # the C apply: no functorch dispatch, no argument binding
-_LoRALinearFn_apply = _traced_apply(LoRALinearFn)
+LoRALinearFn_apply = _traced_apply(LoRALinearFn)
 def _apply_direct(level: int, *args: Any) -> Tensor:
     return _apply_single_level(_direct_apply, level, *args)
 
@@ -687,7 +687,7 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         seed,
         impl,
     )
-    y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else _LoRALinearFn_apply(*args)
+    y, _ = reference_fwd(*args[:-1]) if _higher_order_traced() else LoRALinearFn_apply(*args)
     # not a view for autograd: models modify a layer's output in place (Falcon), which autograd
     # forbids on a view of a custom Function's output (see _unflatten)
     return _unsafe_view(y, (*lead, weight.shape[0]))

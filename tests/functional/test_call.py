@@ -939,7 +939,7 @@ class _ParentUsesChildWeight(torch.nn.Module):
 
 
 def test_a_weight_used_outside_its_module_is_adapted():
-    model = _ParentUsesChildWeight()
+    model = _ParentUsesChildWeight().requires_grad_(False)
     lora = fa.LoRA(torch.randn(2, 6), torch.randn(5, 2), 0.5)
     x = torch.randn(3, 6)
     with warnings.catch_warnings():

@@ -298,7 +298,7 @@ def test_value_free_and_identity_uses_neither_fold_nor_count(carry, monkeypatch,
     ws = torch.nn.Sequential(Workspace(6, 5))
     with pytest.raises(ValueError, match="silently lost"):
         fa.functional_call(ws, random_adapter(ws, ["0"]), (x,))
-    cast = torch.nn.Sequential(Cast(6, 5)).train()
+    cast = torch.nn.Sequential(Cast(6, 5)).train().requires_grad_(False)
     lora = random_adapter(cast, ["0"], dropout=0.1)
     _mode._warned_folds.clear()
     with warnings.catch_warnings():
