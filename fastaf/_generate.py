@@ -1,6 +1,9 @@
 """``fastaf.generate``: Hugging Face ``generate`` with an explicit adapter, or a stack and per-row ids."""
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,7 +55,84 @@ def generate(
         expand = max(_setting(model, generate_kwargs, "num_beams"), _setting(model, generate_kwargs, "num_return_sequences"))
         if expand > 1:
             ids = (adapter_ids, adapter_ids.repeat_interleave(expand))
-    return scoped_call(model, adapter, lambda: model.generate(**generate_kwargs), adapter_ids=ids, batch=batch)
+    run = lambda: model.generate(**generate_kwargs)  # noqa: E731
+    if _compiles(model, generate_kwargs):
+        with _adapted_calls(model, adapter, ids):
+            return run()
+    return scoped_call(model, adapter, run, adapter_ids=ids, batch=batch)
+
+
+class _AdaptedForward:
+    """A module's ``forward`` for the length of a ``fastaf.generate`` whose decode step compiles:
+    each call applies the adapter inside the call (``scoped_call``), so the compiled step's graph
+    holds the LoRA ops and no mode outside it sees the graph's own calls again at run time.
+
+    One per module, kept (weakly) across calls and reading the adapter from its fields: a compiled
+    step guards on the ``forward`` it traced, and a new one per call would compile a new graph.
+    """
+
+    def __init__(self) -> None:
+        self.module: Any = None
+        self.inner: Any = None  # the forward it stands in for (the class's, or one set on the instance)
+        self.adapter: Any = None
+        self.ids: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return scoped_call(self.module, self.adapter, lambda: self.inner(*args, **kwargs), adapter_ids=self.ids,
+                           carry=False)
+
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
+
+
+@contextlib.contextmanager
+def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
+    """``model`` (and the encoder ``generate`` runs apart, if any) adapting each call inside it;
+    the forwards it had are back on exit, also on error."""
+    encoder = None  # an encoder-decoder's encoder runs apart from the model's forward in generate
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and callable(getattr(model, "get_encoder", None)):
+        encoder = model.get_encoder()
+    modules = [model] + ([encoder] if isinstance(encoder, nn.Module) and encoder is not model else [])
+    installed = []
+    try:
+        for module in modules:
+            forward = _FORWARDS.get(module)
+            if forward is None:
+                forward = _FORWARDS[module] = _AdaptedForward()
+            own = module.__dict__.get("forward")  # accelerate's hooks set one
+            if own is forward:
+                raise RuntimeError(f"fastaf.generate: a generate on {type(module).__name__} is already running "
+                                   "with a compiled decode step; one at a time per model")
+            forward.module, forward.adapter, forward.ids = model, adapter, ids
+            forward.inner = own if own is not None else module.forward
+            module.__dict__["forward"] = forward  # no __setattr__: not a submodule
+            installed.append((module, own))
+        yield
+    finally:
+        for module, own in reversed(installed):
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
+            _FORWARDS[module].adapter = _FORWARDS[module].ids = _FORWARDS[module].inner = None
+
+
+# caches transformers' generate can compile a decode step over (their shapes are fixed)
+_COMPILEABLE_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
+
+
+def _compiles(model: nn.Module, generate_kwargs: dict) -> bool:
+    """Whether this generate may compile the decode step (``model.get_compiled_call``): a
+    ``compile_config`` passed, a static-shape cache asked for (``cache_implementation`` as a keyword,
+    else in the ``generation_config`` passed, else in the model's own) or passed (``past_key_values``)."""
+    if generate_kwargs.get("compile_config") is not None:
+        return True
+    passed, own = generate_kwargs.get("generation_config"), getattr(model, "generation_config", None)
+    for asked in (generate_kwargs.get("cache_implementation"), getattr(passed, "cache_implementation", None),
+                  getattr(own, "cache_implementation", None)):
+        if asked is not None:
+            return asked in _COMPILEABLE_CACHES
+    return bool(getattr(generate_kwargs.get("past_key_values"), "is_compileable", False))
 
 
 def _setting(model: nn.Module, generate_kwargs: dict, field: str) -> int:

@@ -179,7 +179,11 @@ class LoRAMode(TorchFunctionMode):
         return merged
 
     def _count(self, route: Route) -> None:
-        """Count an adapted use of ``route``'s weight: a hit, or a gradless one (``_gradless``)."""
+        """Count an adapted use of ``route``'s weight: a hit, or a gradless one (``_gradless``). Not
+        in a block compiled inside an eager call (transformers' compiled decode step, FSDP2's
+        compiled layers): a count read there is a guard on its value, and each step recompiled."""
+        if not self.traced and torch.compiler.is_compiling():
+            return
         if self._gradless(route):
             route.gradless += 1
         else:

@@ -105,7 +105,8 @@ class _WeightWatch:
         scopes = _scopes()
         if not scopes or scopes[-1] is not self:
             return  # another thread's call, or an outer call of this thread
-        route.calls += 1
+        if not torch.compiler.is_compiling():  # traced, a count is a guard on its value (``LoRAMode._count``)
+            route.calls += 1
         weight = getattr(module, route.name)
         if weight is not route.weight:
             self.mode.key(route, weight)
@@ -151,6 +152,7 @@ def scoped_call(
     adapter_ids: Tensor | None = None,
     impl: str = "auto",
     batch: int | tuple[int, str] | None = None,
+    carry: bool = True,
 ) -> Any:
     """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
     machinery, for callers that run the model another way (``fastaf.generate``).
@@ -159,7 +161,9 @@ def scoped_call(
     see the batch at several sizes, the ids as given first (``fastaf.generate``: they and the ids
     repeated per beam); each layer takes the one that fits its rows (``lora_multi.check_rows``).
     ``batch``: the number of examples the ids as given must match (or that and the input it was
-    read from).
+    read from). ``carry``: False when ``run`` compiles the model inside (transformers' static-cache
+    decode step): carried weights, tensor subclasses, must not reach the tracer, which follows the
+    mode instead.
     """
     adapter = _combine(adapter)
     if adapter is None or len(adapter) == 0:
@@ -197,7 +201,7 @@ def scoped_call(
         with mode:
             return run()
     try:
-        if _config.flags().carry and carrier.eligible(model, mode, params):
+        if carry and _config.flags().carry and carrier.eligible(model, mode, params):
             # only calls that receive an adapted weight reach Python, not every torch call of the model
             with carrier.carried(mode), _WeightWatch(mode, hooks=False):
                 out = run()

@@ -40,7 +40,10 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
             mode.groups.saw(route, x)
         return y
     share = flags.share_input
-    if route.siblings and (share == "always" or share == "compiled" and torch.compiler.is_compiling()):
+    # "compiled": a mode made inside the trace (functional_call under torch.compile); one made
+    # eagerly around a compiled block holds its shared h across the block's calls, which a graph
+    # cannot
+    if route.siblings and (share == "always" or share == "compiled" and mode.traced):
         shared = _shared_h(mode, route, x)
         if shared is not None:
             h, token, fanned_weight = shared

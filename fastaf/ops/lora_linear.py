@@ -544,6 +544,18 @@ class _LoRALinearDirect(torch.autograd.function._SingleLevelFunction):
 _unsafe_view = torch.ops.aten._unsafe_view.default
 
 
+def _inference(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float,
+               dropout_p: float, seed: Optional[Tensor], impl: str) -> Tensor:
+    """``_LoRALinearDirect``'s forward with grad off and no level: no Function (its apply is host
+    time at every adapted layer of every eager decode step) and nothing saved. (..., N)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+    triton = _use_triton(impl, x2)
+    cast = _kernel_factor if triton else _as_dtype  # the kernels read fp32 master factors as they are
+    y, _ = _direct_fwd(x2, weight, bias, cast(a, x.dtype), cast(b, x.dtype), scale, dropout_p, seed, impl, triton,
+                       x.shape[:-1] if x.dim() > 2 else ())
+    return y if y.dim() == x.dim() else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _unflatten(y: Tensor, x: Tensor) -> Tensor:
     """A Function's (M, N) output y back to x's leading dims, (..., N). Not a view for autograd:
     models modify a layer's output in place (Falcon), which autograd forbids on a view made
@@ -668,6 +680,8 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
     level = _direct_level(x, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x)
+    if level == 0 and not torch.is_grad_enabled():  # inference: the forward alone
+        return _inference(x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level == 0:  # plain eager autograd: the Function's C apply, no level flag to set
         return _direct_apply(0, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level > 0:

@@ -1,0 +1,215 @@
+"""Inference: what decoding with an adapter costs over the frozen model's, fastaf beside PEFT.
+
+    python bench/generate.py [--providers base,base-static,fastaf,...] [--tiny]
+
+Model: the Llama-3.2-1B shape (``bench/configs/llama-3.2-1b-shape.json``) with random bf16 weights;
+32 prompts x 128 tokens, 64 greedy new tokens (no early stop); LoRA r=16 on q,k,v,o,gate,up,down
+with random factors. Each provider is the whole ``generate`` call, timed as the best of 2 after a
+warm-up (which compiles, for the ``-static`` ones), in seconds and tokens per second:
+- base: ``model.generate`` with the dynamic cache; base-static: ``cache_implementation="static"``
+  (transformers compiles the decode step with CUDA graphs, ``mode="reduce-overhead"``).
+- peft / peft-static: a PEFT model with the same adapter.
+- fastaf / fastaf-static: ``fa.generate(model, adapter, ...)``.
+- fastaf-init / fastaf-init-static: the stateful layer (``fa.init``, ``set_active_adapter``,
+  ``model.generate``).
+- fastaf-mixed16 / fastaf-mixed16-static / peft-mixed16: 16 adapters, row i decoding with adapter
+  i % 16 (``fa.stack`` + ``adapter_ids``; PEFT's ``adapter_names``).
+- fwd-base, fwd-peft, fwd-fastaf, fwd-fastaf-init: one ``no_grad`` forward of 4 x 128 tokens, ms
+  (do_bench): the host cost of an adapted layer, which eager decoding pays at every step.
+Before timing, each generate provider's prefill logits are checked against an fp32 reference (the
+adapters applied by ``fa.functional_call`` on an fp32 copy); greedy tokens of a random-weight model
+diverge between correct bf16 paths, so tokens are not compared. Rows go to
+bench/results/generate.csv (see bench/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _harness as H  # noqa: E402
+
+import fastaf as fa  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.2-1b-shape.json"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, MIXED = 16, 32, 16
+GENERATE = ["base", "base-static", "peft", "peft-static", "fastaf", "fastaf-static", "fastaf-init",
+            "fastaf-init-static", "fastaf-mixed16", "fastaf-mixed16-static", "peft-mixed16"]
+FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
+CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
+FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
+BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2
+
+
+def make_model(tiny: bool, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512) if tiny else {
+        k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "model_type"}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=2048)).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None  # every provider decodes all its new tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+def random_adapter(model, seed: int) -> fa.Adapter:
+    """PEFT's init for A, a random B (so the adapter changes the logits), fp32 factors."""
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS), seed=seed)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    return fa.Adapter({p: fa.LoRA(l.A, (torch.randn(l.B.shape, generator=g) * 0.02).to(l.B.device), l.scale)
+                       for p, l in adapter.items()})
+
+
+def peft_model(model, adapters: list[fa.Adapter]):
+    """A PEFT model over a copy of ``model`` holding ``adapters`` ("a0", "a1", ...) with the same factors."""
+    import peft
+
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS)
+    pm = None
+    for i, adapter in enumerate(adapters):
+        if pm is None:
+            pm = peft.get_peft_model(copy.deepcopy(model), cfg, adapter_name=f"a{i}")
+        else:
+            pm.add_adapter(f"a{i}", cfg)
+        modules = dict(pm.base_model.model.named_modules())
+        with torch.no_grad():
+            for path, lora in adapter.items():
+                layer = modules[path]
+                layer.lora_A[f"a{i}"].weight.copy_(lora.A)
+                layer.lora_B[f"a{i}"].weight.copy_(lora.B)
+    pm.set_adapter("a0")
+    return pm.eval()
+
+
+def stateful(model, adapter: fa.Adapter):
+    inited = copy.deepcopy(model)
+    fa.init(inited)
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    return inited
+
+
+def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: torch.Tensor):
+    """provider -> (generate(**kw) -> output, the adapter per row for the reference or None)."""
+    one, rows = adapters[0], ids.shape[0]
+    row_ids = torch.arange(rows, device=ids.device) % MIXED
+    stack = fa.stack(adapters) if any("mixed" in n for n in names) else None
+    need_peft = [n for n in names if n.startswith("peft")]
+    pm = peft_model(model, adapters if "peft-mixed16" in names else [one]) if need_peft else None
+    inited = stateful(model, one) if any(n.startswith("fastaf-init") for n in names) else None
+    static = dict(cache_implementation="static")
+    table = {
+        "base": (lambda **kw: model.generate(ids, **kw), None),
+        "base-static": (lambda **kw: model.generate(ids, **static, **kw), None),
+        "peft": (lambda **kw: pm.generate(input_ids=ids, **kw), [one] * rows),
+        "peft-static": (lambda **kw: pm.generate(input_ids=ids, **static, **kw), [one] * rows),
+        "fastaf": (lambda **kw: fa.generate(model, one, ids, **kw), [one] * rows),
+        "fastaf-static": (lambda **kw: fa.generate(model, one, ids, **static, **kw), [one] * rows),
+        "fastaf-init": (lambda **kw: inited.generate(ids, **kw), [one] * rows),
+        "fastaf-init-static": (lambda **kw: inited.generate(ids, **static, **kw), [one] * rows),
+        "fastaf-mixed16": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **kw),
+                           [adapters[i % MIXED] for i in range(rows)]),
+        "fastaf-mixed16-static": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **static, **kw),
+                                  [adapters[i % MIXED] for i in range(rows)]),
+        "peft-mixed16": (lambda **kw: pm.generate(input_ids=ids, adapter_names=[f"a{i % MIXED}" for i in range(rows)],
+                                                  **kw), [adapters[i % MIXED] for i in range(rows)]),
+    }
+    forward = {
+        "fwd-base": lambda x: model(x).logits,
+        "fwd-peft": lambda x: pm(input_ids=x).logits,
+        "fwd-fastaf": lambda x: fa.functional_call(model, one, (x,)).logits,
+        "fwd-fastaf-init": lambda x: inited(x).logits,
+    }
+    return table, forward
+
+
+def reference_prefill(model32, ids: torch.Tensor, per_row: list[fa.Adapter] | None) -> torch.Tensor:
+    """fp32 last-position logits of the prompts, each row with its adapter (or none)."""
+    with torch.no_grad():
+        if per_row is None:
+            return model32(ids).logits[:, -1].float()
+        out = []
+        for i, adapter in enumerate(per_row):
+            a32 = fa.Adapter({p: fa.LoRA(l.A.float(), l.B.float(), l.scale) for p, l in adapter.items()})
+            out.append(fa.functional_call(model32, a32, (ids[i:i + 1],)).logits[:, -1])
+        return torch.cat(out).float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--providers", default=",".join(GENERATE + FORWARD), help="comma-separated")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 prompts x 16, 8 new tokens (a smoke test)")
+    ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default generate)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up; the best is kept")
+    args = ap.parse_args()
+    names = [n for n in args.providers.split(",") if n]
+    unknown = sorted(set(names) - set(GENERATE) - set(FORWARD))
+    if unknown:
+        raise SystemExit(f"unknown providers {unknown}; known: {GENERATE + FORWARD}")
+    results = H.Results(args.name or ("generate-tiny" if args.tiny else "generate"), CASE, FIGURES)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = make_model(args.tiny, device)
+    prompts, prompt_len, new = (4, 16, 8) if args.tiny else (32, 128, 64)
+    ids = torch.randint(0, model.config.vocab_size, (prompts, prompt_len),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    adapters = [random_adapter(model, seed=i) for i in range(MIXED if any("mixed" in n for n in names) else 1)]
+    table, forward = make_providers(names, model, adapters, ids)
+    model32 = copy.deepcopy(model).float()
+    case = {"model": "tiny" if args.tiny else "llama-3.2-1b-shape", "prompts": prompts, "prompt_len": prompt_len,
+            "new_tokens": new, "r": RANK}
+    rows = []
+    for name in names:
+        if name in forward:
+            x = ids[:4, :128]
+            with torch.no_grad():
+                timed = H.time_fn(lambda: forward[name](x)) if device == "cuda" else {"ms": _wall(lambda: forward[name](x)) * 1e3}
+            rows.append({"provider": name, **case, "prompts": 4, "new_tokens": 0, "adapters": int(name != "fwd-base"),
+                         "ms": round(timed["ms"], 4)})
+            print(f"{name:24s} {timed['ms']:8.3f} ms", flush=True)
+            continue
+        run, per_row = table[name]
+        got = run(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True).logits[0].float()
+        want = reference_prefill(model32, ids, per_row)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if err > BF16_TOL:
+            raise SystemExit(f"{name}: prefill logits {err:.3g} off the fp32 reference (tolerance {BF16_TOL})")
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        t0 = time.perf_counter()
+        run(**kw)  # warm-up: compiles the -static providers' decode step
+        warm = time.perf_counter() - t0
+        best = min(_wall(lambda: run(**kw)) for _ in range(args.repeats))
+        n_adapters = MIXED if "mixed" in name else int(name.startswith(("peft", "fastaf")))
+        rows.append({"provider": name, **case, "adapters": n_adapters, "s": round(best, 4),
+                     "tok_per_s": round(prompts * new / best, 1), "max_rel_err": round(err, 5)})
+        print(f"{name:24s} {best:8.3f} s  {prompts * new / best:9.1f} tok/s  prefill err {err:.2e}  "
+              f"(warm-up {warm:.1f} s)", flush=True)
+    path = results.append(rows)
+    print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
+    base = next((r["s"] for r in rows if r["provider"] == "base"), None)
+    for r in rows:
+        if r.get("s") and base:
+            print(f"  {r['provider']:24s} {r['s'] / base:6.3f}x base")
+
+
+def _wall(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""fastaf.generate and the stateful layer under transformers' compiled static-cache decoding: the
+same tokens as the dynamic path and as PEFT, no graph break from fastaf, and no new graph when the
+adapter's values, the active adapter or the ids change. CPU: the decode step compiles with the
+eager backend (``CompileConfig._compile_all_devices``)."""
+import copy
+
+import peft
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+import fastaf as fa
+from tests._models import random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
+from tests._peft import peft_model_with
+
+ARCHS = {"llama": (tiny_llama, ["q_proj", "v_proj", "down_proj"]), "gpt2": (tiny_gpt2, ["c_attn", "c_proj"])}
+NEW = dict(max_new_tokens=6, do_sample=False)
+
+
+def _static() -> dict:
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # transformers compiles the decode step on CUDA only otherwise
+    return dict(cache_implementation="static", compile_config=config)
+
+
+def _graphs() -> int:
+    return counters["stats"].get("unique_graphs", 0)
+
+
+def _fastaf_breaks() -> list:
+    return [r for r in counters["graph_break"] if "fastaf" in str(r)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_one_adapter_compiled_decode_equals_the_dynamic_path_and_peft_and_compiles_once(arch):
+    make, targets = ARCHS[arch]
+    model = make().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    first, second = (random_adapter(model, targets, r=4, seed=s) for s in (1, 2))
+    torch._dynamo.reset()
+    counters.clear()
+    for adapter in (first, second):
+        want = fa.generate(model, adapter, ids, **NEW)
+        graphs = _graphs()
+        got = fa.generate(model, adapter, ids, **NEW, **_static())
+        assert torch.equal(got, want)
+        if adapter is second:
+            assert _graphs() == graphs, "new adapter values compiled a new graph"
+    assert _graphs() >= 1 and not _fastaf_breaks(), counters["graph_break"]
+    assert "forward" not in model.__dict__  # left as it was
+    peft_model = peft_model_with(copy.deepcopy(model), {"default": second}, targets, {"default": (4, 8.0)}).eval()
+    assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)
+    assert not torch.equal(model.generate(ids, **NEW), got)  # the adapter changes the tokens
+
+
+def test_a_stack_with_ids_decodes_compiled_and_new_ids_compile_nothing():
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=3, seq=8)
+    stack = fa.stack([random_adapter(model, ["q_proj", "v_proj"], r=r, seed=r) for r in (2, 4)])
+    torch._dynamo.reset()
+    counters.clear()
+    for row_ids in ([0, 1, -1], [1, 1, 0]):
+        row_ids = torch.tensor(row_ids)
+        want = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW)
+        graphs = _graphs()
+        got = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static())
+        assert torch.equal(got, want)
+        if row_ids[0] == 1:
+            assert _graphs() == graphs, "new ids compiled a new graph"
+    mixed = fa.generate(model, stack, ids, adapter_ids=torch.tensor([0, 1, -1]), **NEW, **_static())
+    for i, alone in enumerate([*fa.unstack(stack), None]):  # each row as its adapter alone decodes it
+        one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
+        assert torch.equal(mixed[i, :one.shape[1]], one[0])  # (a row that ended early is padded after)
+
+
+def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
+    base = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapters = {n: random_adapter(base, ["q_proj", "v_proj"], r=4, seed=s) for n, s in (("a", 1), ("b", 2))}
+    model = copy.deepcopy(base)
+    fa.init(model)
+    for name, adapter in adapters.items():
+        model.add_new_adapter(name, adapter)
+    torch._dynamo.reset()
+    counters.clear()
+    # the hooks read the active adapter's name, which the graph guards on: one graph per adapter
+    for name in ("a", "b", "a"):
+        model.set_active_adapter(name)
+        graphs = _graphs()
+        got = model.generate(ids, **NEW, **_static())
+        assert torch.equal(got, fa.generate(base, adapters[name], ids, **NEW))
+    assert _graphs() == graphs, "the adapter coming back compiled a new graph"
+    assert not _fastaf_breaks(), counters["graph_break"]
+
+
+def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
+    model = tiny_bart().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(model, ["q_proj", "v_proj", "fc1"], r=4, seed=1)
+    kw = dict(max_new_tokens=4, do_sample=False, num_beams=1, return_dict_in_generate=True, output_logits=True)
+    want = fa.generate(model, adapter, ids, **kw)
+    got = fa.generate(model, adapter, ids, **kw, **_static())
+    base = model.generate(ids, **kw)
+    for w, g, b in zip(want.logits, got.logits, base.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert (w - b).abs().max() > 1e-3  # the adapter, encoder included, changes every step
+    assert "forward" not in model.__dict__ and "forward" not in model.get_encoder().__dict__
