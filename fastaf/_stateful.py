@@ -180,6 +180,7 @@ class _Registry(nn.Module):
         self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
         self.checked_training = False  # ``check_training`` ran since the last activation
+        self.own_forward: Any = None  # a forward set on the model instance before init (accelerate's), if any
 
     def forward(self, x: Any) -> Any:
         """The identity: a container that calls its children in order (``nn.Sequential``) reaches
@@ -738,6 +739,38 @@ class _Method:
         return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
 
 
+class _Forward:
+    """The model's ``forward``, set on the instance by ``init``: it calls the class's forward (or the
+    one an instance had, accelerate's). A compiled call of the model (transformers' static-cache
+    decode step compiles ``model.__call__``) guards on it, so a graph dynamo traced for another
+    instance of the class, without this model's hooks (dynamo does not guard hooks), never serves
+    this model: it ran the base model, silently. Its signature is the forward's: Trainer and
+    generate read it to pick inputs. Pickles as ``_Method`` does."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+        self.__name__ = self.__qualname__ = "forward"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _model_forward(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # read when asked: the model may be unpickling at init
+        model = self.__self__
+        return inspect.signature(_registry(model).own_forward or type(model).forward.__get__(model))
+
+    def __reduce__(self) -> tuple:
+        return _Forward, (self.__self__,)
+
+    def __repr__(self) -> str:
+        return f"<fastaf forward of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
+
+
+def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    own = _registry(self).own_forward
+    return own(*args, **kwargs) if own is not None else type(self).forward(self, *args, **kwargs)
+
+
 _METHODS = {
     "add_new_adapter": _add_new_adapter,
     "set_active_adapter": _set_active_adapter,
@@ -777,6 +810,8 @@ def init(model: nn.Module) -> nn.Module:
         p.requires_grad_(False)
     model.add_module(_ATTR, _Registry())
     getattr(model, _ATTR).attach(model)
+    getattr(model, _ATTR).own_forward = model.__dict__.get("forward")
+    model.__dict__["forward"] = _Forward(model)  # no __setattr__: not a submodule
     for name, fn in (*_METHODS.items(), *_OVERRIDES.items()):
         setattr(model, name, _Method(fn, model))
     model.active_adapter = None  # the active adapter's name, as PEFT's property gives it

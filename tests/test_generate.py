@@ -106,3 +106,23 @@ def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert (w - b).abs().max() > 1e-3  # the adapter, encoder included, changes every step
     assert "forward" not in model.__dict__ and "forward" not in model.get_encoder().__dict__
+
+
+def test_a_graph_compiled_for_another_instance_never_serves_an_adapted_model():
+    """Dynamo does not guard module hooks: a decode step compiled for the plain model of the same
+    class ran the stateful model without its adapter, silently. Both orders, both entry points."""
+    base = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
+    want, plain = fa.generate(base, adapter, ids, **NEW), base.generate(ids, **NEW)
+    inited = copy.deepcopy(base)
+    fa.init(inited)
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    torch._dynamo.reset()
+    assert torch.equal(base.generate(ids, **NEW, **_static()), plain)  # the class compiled without hooks
+    assert torch.equal(inited.generate(ids, **NEW, **_static()), want)
+    assert torch.equal(fa.generate(base, adapter, ids, **NEW, **_static()), want)
+    assert torch.equal(base.generate(ids, **NEW, **_static()), plain)
+    inited.set_active_adapter(None)
+    assert torch.equal(inited.generate(ids, **NEW, **_static()), plain)

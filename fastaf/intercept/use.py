@@ -43,7 +43,8 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
     # "compiled": a mode made inside the trace (functional_call under torch.compile); one made
     # eagerly around a compiled block holds its shared h across the block's calls, which a graph
     # cannot
-    if route.siblings and (share == "always" or share == "compiled" and mode.traced):
+    # (with grad off the op is plain torch ops under a trace, which Inductor fuses: nothing to share)
+    if route.siblings and (share == "always" or share == "compiled" and mode.traced and torch.is_grad_enabled()):
         shared = _shared_h(mode, route, x)
         if shared is not None:
             h, token, fanned_weight = shared

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import atomics_ok
@@ -686,6 +687,12 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         return _direct_apply(0, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level > 0:
         return _apply_direct(level, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
+    if level < 0 and p == 0.0 and torch.compiler.is_compiling() and not torch.is_grad_enabled() \
+            and not _higher_order_traced():
+        # traced inference (a compiled decode step): plain ops, which Inductor fuses with the
+        # base GEMM's neighbours and schedules into the step's CUDA graph; an opaque op cannot be
+        a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
+        return F.linear(x, weight, bias) + float(lora.scale) * F.linear(F.linear(x, a), b)
     lead, K = x.shape[:-1], x.shape[-1]
     # The factors go in as they are (fp32 masters under bf16 x): the kernels read them in their
     # own dtype and return their gradients in it, the references cast; a cast here was two
