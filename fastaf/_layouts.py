@@ -211,10 +211,14 @@ def match_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
 def compiled_class(module: nn.Module) -> type | None:
     """The class whose forward dynamo compiles for ``module``: the wrapped module's for
     ``torch.compile(m)`` (an ``OptimizedModule``), its own for ``m.compile()``; None when the
-    module is not compiled."""
+    module is not compiled. Also a compiled forward set on the instance
+    (``m.forward = torch.compile(m.forward)``, as transformers' docs and users do)."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return type(module._orig_mod)
-    return type(module) if getattr(module, "_compiled_call_impl", None) is not None else None
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return type(module)
+    own = module.__dict__.get("forward")
+    return type(module) if getattr(own, "_torchdynamo_orig_callable", None) is not None else None
 
 
 def check_module(model: Any, where: str) -> None:

@@ -126,3 +126,26 @@ def test_a_graph_compiled_for_another_instance_never_serves_an_adapted_model():
     assert torch.equal(base.generate(ids, **NEW, **_static()), plain)
     inited.set_active_adapter(None)
     assert torch.equal(inited.generate(ids, **NEW, **_static()), plain)
+
+
+def test_a_model_whose_forward_the_user_compiled_is_adapted_by_every_entry_point():
+    """``model.forward = torch.compile(model.forward)``: the weights must not carry the adapter
+    into the trace (dynamo failed on the tensor subclass); the mode is traced instead. aot_eager,
+    as Inductor, runs the graph as aten ops, which no rule takes again at run time."""
+    base = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
+    want_tokens = fa.generate(base, adapter, ids, **NEW)
+    want_logits = fa.functional_call(base, adapter, (ids,)).logits
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(base)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(fa.functional_call(compiled, adapter, (ids,)).logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fa.generate(compiled, adapter, ids, **NEW), want_tokens)
+    inited = copy.deepcopy(base)
+    fa.init(inited)
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    inited.forward = torch.compile(inited.forward, backend="aot_eager")
+    assert torch.equal(inited.generate(ids, **NEW), want_tokens)
