@@ -379,8 +379,13 @@ class _Registry(nn.Module):
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:
                 # the module ran: a weight it used in no way fastaf adapts (a bitsandbytes Linear4bit,
-                # a forward reading weight.data) lost its LoRA, as functional_call reports
-                check_lost(mode.all_routes(), f"fastaf: the active adapter {self.active!r}")
+                # a forward reading weight.data) lost its LoRA, as functional_call reports. A loop
+                # first: this runs at every adapted module's every call
+                routes = mode.all_routes()
+                for route in routes:
+                    if route.hits == 0:
+                        check_lost(routes, f"fastaf: the active adapter {self.active!r}")
+                        break
 
 
 def _warn_compiled_above(modules: Mapping[str, nn.Module], paths: list[str]) -> None:
