@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -69,6 +70,8 @@ class _AdaptedForward:
 
     One per module, kept (weakly) across calls and reading the adapter from its fields: a compiled
     step guards on the ``forward`` it traced, and a new one per call would compile a new graph.
+    Only the thread running the generate gets the adapter: another thread's call of the model in
+    the meantime runs it as it was.
     """
 
     def __init__(self) -> None:
@@ -76,13 +79,17 @@ class _AdaptedForward:
         self.inner: Any = None  # the forward it stands in for (the class's, or one set on the instance)
         self.adapter: Any = None
         self.ids: Any = None
+        self.thread: int | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and threading.get_ident() != self.thread:
+            return self.inner(*args, **kwargs)  # (traced, it is the generating thread's decode step)
         return scoped_call(self.module, self.adapter, lambda: self.inner(*args, **kwargs), adapter_ids=self.ids,
                            carry=False)
 
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
+_lock = threading.Lock()  # installs and restores of the forwards
 
 
 @contextlib.contextmanager
@@ -93,28 +100,40 @@ def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and callable(getattr(model, "get_encoder", None)):
         encoder = model.get_encoder()
     modules = [model] + ([encoder] if isinstance(encoder, nn.Module) and encoder is not model else [])
-    installed = []
+    installed: list = []
+    with _lock:
+        try:
+            for module in modules:
+                forward = _FORWARDS.get(module)
+                if forward is None:
+                    forward = _FORWARDS[module] = _AdaptedForward()
+                own = module.__dict__.get("forward")  # accelerate's hooks set one; fa.init does
+                if own is forward:
+                    raise RuntimeError(f"fastaf.generate: a generate on {type(module).__name__} is already running "
+                                       "with a compiled decode step; one at a time per model")
+                forward.module, forward.adapter, forward.ids = model, adapter, ids
+                forward.inner, forward.thread = (own if own is not None else module.forward), threading.get_ident()
+                module.__dict__["forward"] = forward  # no __setattr__: not a submodule
+                installed.append((module, own))
+        except BaseException:
+            _restore(installed)
+            raise
     try:
-        for module in modules:
-            forward = _FORWARDS.get(module)
-            if forward is None:
-                forward = _FORWARDS[module] = _AdaptedForward()
-            own = module.__dict__.get("forward")  # accelerate's hooks set one
-            if own is forward:
-                raise RuntimeError(f"fastaf.generate: a generate on {type(module).__name__} is already running "
-                                   "with a compiled decode step; one at a time per model")
-            forward.module, forward.adapter, forward.ids = model, adapter, ids
-            forward.inner = own if own is not None else module.forward
-            module.__dict__["forward"] = forward  # no __setattr__: not a submodule
-            installed.append((module, own))
         yield
     finally:
-        for module, own in reversed(installed):
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = own
-            _FORWARDS[module].adapter = _FORWARDS[module].ids = _FORWARDS[module].inner = None
+        with _lock:
+            _restore(installed)
+
+
+def _restore(installed: list) -> None:
+    """Put back the forwards ``_adapted_calls`` replaced, and let go of the model."""
+    for module, own in reversed(installed):
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = own
+        forward = _FORWARDS[module]  # held by nothing of the model's now: the model can go
+        forward.module = forward.adapter = forward.ids = forward.inner = forward.thread = None
 
 
 # caches transformers' generate can compile a decode step over (their shapes are fixed)

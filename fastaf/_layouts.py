@@ -218,7 +218,9 @@ def compiled_class(module: nn.Module) -> type | None:
     if getattr(module, "_compiled_call_impl", None) is not None:
         return type(module)
     own = module.__dict__.get("forward")
-    return type(module) if getattr(own, "_torchdynamo_orig_callable", None) is not None else None
+    inner = getattr(getattr(module, "fastaf", None), "own_forward", None)  # fa.init keeps it there
+    compiled = any(getattr(f, "_torchdynamo_orig_callable", None) is not None for f in (own, inner))
+    return type(module) if compiled else None
 
 
 def check_module(model: Any, where: str) -> None:

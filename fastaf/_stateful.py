@@ -31,8 +31,9 @@ A thin layer over the functional core for code that expects a stateful model (HF
   mark where a call of it starts and ends (held outputs go with the call). Not inside a
   non-reentrant activation checkpoint, whose recompute (on autograd's device thread, maybe after
   later calls) must make the ops its forward made.
-- Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
-  ``active_adapter``.
+- Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``;
+  ``active_adapter`` is the active adapter's name; ``save_pretrained`` and ``load_state_dict`` are
+  bound over the class's own (HF's save path), and ``forward`` is set on the instance (``_Forward``).
 
 Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stands in for the
 active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
@@ -53,6 +54,7 @@ import inspect
 import sys
 import tempfile
 import threading
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -279,12 +281,16 @@ class _Registry(nn.Module):
         stack = _open_modes()
         # inside functional_call the explicit adapter stands in for the active one
         mode = None if explicit_mode_active() else self.mode(keys, module)
+        counts = None
         if mode is not None:
-            for route in mode.all_routes():  # this run's uses (leave_module checks them): one run
-                route.hits = route.gradless = 0
-                route.calls = 1
+            routes = mode.all_routes()
+            if torch.compiler.is_compiling():  # this run's uses (leave_module checks them), from zero:
+                for route in routes:          # a count read from before would be a guard on its value
+                    route.hits = route.gradless = 0
+            else:  # eagerly threads share the kept routes: this entry's uses are the counts' growth
+                counts = [(route.hits, route.gradless) for route in routes]
             mode.__enter__()
-        stack.append((module, mode, self))
+        stack.append((module, mode, self, counts))
 
     def mode(self, keys: tuple[str, ...], module: nn.Module) -> Any:
         """The mode around ``module``'s forward: on its kept routes, grouping with its siblings
@@ -375,16 +381,19 @@ class _Registry(nn.Module):
             return
         stack = _open_modes()
         if stack and stack[-1][0] is module:
-            mode = stack.pop()[1]
+            _, mode, _, counts = stack.pop()
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:
-                # the module ran: a weight it used in no way fastaf adapts (a bitsandbytes Linear4bit,
-                # a forward reading weight.data) lost its LoRA, as functional_call reports. A loop
-                # first: this runs at every adapted module's every call
+                # the module ran: a weight it used in no way fastaf adapts (a forward reading
+                # weight.data) lost its LoRA, as functional_call reports. A loop first: this runs at
+                # every adapted module's every call
                 routes = mode.all_routes()
-                for route in routes:
-                    if route.hits == 0:
-                        check_lost(routes, f"fastaf: the active adapter {self.active!r}")
+                before = counts or [(0, 0)] * len(routes)
+                for route, (hits, _) in zip(routes, before):
+                    if route.hits == hits:
+                        ran = [types.SimpleNamespace(path=r.path, module=r.module, hits=r.hits - h, calls=1,
+                                                     gradless=r.gradless - g) for r, (h, g) in zip(routes, before)]
+                        check_lost(ran, f"fastaf: the active adapter {self.active!r}")
                         break
 
 
@@ -678,8 +687,13 @@ def _save_pretrained(self: nn.Module, save_directory: str | Path, state_dict: Ma
         raise ValueError(f"save_pretrained: {type(self).__name__} has no fastaf adapters to save; add one first")
     top = registry.active if registry.active in names else (names[0] if len(names) == 1 else None)
     prefix = _ATTR + "."
-    if state_dict is not None:
-        given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if state_dict is not None:  # a wrapper's keys lead with its own prefix (torch.compile's, DDP's)
+        given = {}
+        for key, value in state_dict.items():
+            for lead in ("", "_orig_mod.", "module."):
+                if key.startswith(lead + prefix):
+                    given[key[len(lead + prefix):]] = value
+        given = {k: v for k, v in given.items() if k.split(".")[1] in names}  # adapters.<name>.…
         adapters = {name: _slot_from(registry.slot(name), f"adapters.{name}.", given) for name in names}
         factors = {prefix + k: v for k, v in given.items()}
     else:  # every rank gathers (a collective under FSDP2); the writer writes
@@ -753,7 +767,8 @@ class _Forward:
     generate read it to pick inputs. Pickles as ``_Method`` does."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.__self__ = model
+        # a bound method's two attributes: accelerate rebinds a forward as MethodType(__func__, model)
+        self.__self__, self.__func__ = model, _model_forward
         self.__name__ = self.__qualname__ = "forward"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -796,9 +811,10 @@ _OVERRIDES = {
 def init(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for the stateful API (idempotent) and return it.
 
-    Freezes every base parameter, registers the empty adapter registry ``model.fastaf`` and binds
-    ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter`` and
-    ``active_adapter`` on this instance (see the module docstring).
+    Freezes every base parameter, registers the empty adapter registry ``model.fastaf``, binds
+    ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``,
+    ``save_pretrained`` and ``load_state_dict`` on this instance and sets ``active_adapter`` (the
+    active adapter's name, None) and ``forward`` there (see the module docstring).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or is ``torch.compile``'s wrapper of one.

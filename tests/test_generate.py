@@ -149,3 +149,18 @@ def test_a_model_whose_forward_the_user_compiled_is_adapted_by_every_entry_point
     inited.set_active_adapter("a")
     inited.forward = torch.compile(inited.forward, backend="aot_eager")
     assert torch.equal(inited.generate(ids, **NEW), want_tokens)
+
+
+def test_a_compiled_generate_keeps_nothing_that_holds_the_model():
+    import gc
+    import weakref
+
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    fa.generate(model, random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1), ids, max_new_tokens=2,
+                do_sample=False, **_static())
+    alive = weakref.ref(model)
+    del model
+    torch._dynamo.reset()
+    gc.collect()
+    assert alive() is None

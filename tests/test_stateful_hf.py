@@ -318,3 +318,59 @@ def test_sft_trainer_saves_an_adapter_folder_peft_reads(tmp_path):
     assert config_json["peft_type"] == "LORA" and sorted(config_json["target_modules"]) == sorted(TARGETS)
     peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "final")).eval()
     torch.testing.assert_close(peft_model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerate_rebinding_the_forward_and_compiling_before_init_keep_working():
+    import types
+
+    model = tiny_llama(layers=1).requires_grad_(False)
+    adapter = random_adapter(model, TARGETS, r=2)
+    ids = token_batch()
+    want = fa.functional_call(copy.deepcopy(model), adapter, (ids,)).logits
+    fa.init(model)
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    rebound = types.MethodType(model.forward.__func__, model)  # as accelerate unwraps a forward
+    torch.testing.assert_close(rebound(ids).logits, want, rtol=1e-6, atol=1e-6)
+    compiled = tiny_llama(layers=1).requires_grad_(False)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    fa.init(compiled)  # the compiled forward is kept below the instance forward: still a compiled model
+    with torch.no_grad():
+        torch.testing.assert_close(fa.functional_call(compiled, adapter, (ids,)).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_save_pretrained_reads_a_wrappers_state_dict_and_keeps_to_the_selected_adapters(tmp_path):
+    base, model = _two_adapters()
+    wrapped = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}  # torch.compile's wrapper's keys
+    model.save_pretrained(tmp_path, state_dict=wrapped, selected_adapters=["chat"])
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved and all(k.startswith("fastaf.adapters.chat.") for k in saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                          "model.safetensors"]
+
+
+def test_concurrent_stateful_forwards_raise_no_false_lost_lora():
+    import threading
+
+    model = tiny_llama(layers=1).requires_grad_(False)
+    fa.init(model)
+    model.add_new_adapter("a", random_adapter(model, TARGETS, r=2))
+    model.set_active_adapter("a")
+    errors = []
+
+    def run():
+        try:
+            with torch.no_grad():
+                for _ in range(20):
+                    model(token_batch())
+        except Exception as err:  # noqa: BLE001 - any error is the failure
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -82,7 +82,27 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
     spec = linear_spec(module)
     if spec is None:
         raise ValueError(f"adapter path {path!r} is a {type(module).__name__}, not a linear layer")
+    _check_dense(path, module, spec)
     return module, "weight", spec
+
+
+def _check_dense(path: str, module: nn.Module, spec: LinearSpec) -> None:
+    """Refuse, before anything runs, a linear layer whose weight is not the dense float matrix its
+    in/out features say: a quantized one (bitsandbytes' ``Linear4bit`` packs two 4-bit values per
+    uint8, ``Linear8bitLt`` holds int8) reaches no fused rule, and the W + ΔW fold would fail inside
+    torch ("expanded size ... must match") or, in the stateful layer, lose the LoRA."""
+    weight = module._parameters.get("weight")
+    if weight is None or weight.device.type == "meta":
+        return
+    want = (spec.in_features, spec.out_features) if spec.transposed else (spec.out_features, spec.in_features)
+    if weight.is_floating_point() and tuple(weight.shape) == want:
+        return
+    raise ValueError(
+        f"{path} ({type(module).__name__}) holds a {weight.dtype} weight {tuple(weight.shape)}, not the float "
+        f"{want} matrix of its in/out features: a quantized linear layer (bitsandbytes Linear4bit or Linear8bitLt, "
+        "GPTQ, AWQ, HQQ, torchao) is not supported yet. Load the base in bf16 or fp16 to adapt this module, or "
+        "leave it out of the adapter's targets"
+    )
 
 
 

@@ -1042,3 +1042,32 @@ def test_compiled_call_with_gradient_checkpointing_is_refused():
     torch._dynamo.reset()
     with pytest.raises(Exception):  # no fullgraph: dynamo resumes past the error, then fails (README)
         torch.compile(torch.func.grad(loss), backend="aot_eager")(ad)
+
+
+class _PackedLinear(torch.nn.Linear):
+    """A linear whose weight is stored packed, as bitsandbytes' Linear4bit does: (N*K/2, 1) uint8."""
+
+    def __init__(self, k, n):
+        super().__init__(k, n, bias=False)
+        dense = self.weight.detach()
+        self.weight = torch.nn.Parameter(torch.zeros((n * k + 1) // 2, 1, dtype=torch.uint8), requires_grad=False)
+        self.register_buffer("dense", dense)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.dense)
+
+
+def test_a_quantized_linear_is_refused_by_name_before_anything_runs():
+    """init_adapter follows the logical shapes; every entry point that applies the adapter refuses
+    the packed weight with fastaf's message (a crash inside the fold, or a silently lost LoRA, before)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PackedLinear(6, 4)).requires_grad_(False)
+    adapter = fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=4, targets=["1"]), seed=0)
+    assert adapter["1"].A.shape == (2, 6) and adapter["1"].B.shape == (4, 2)
+    message = r"1 \(_PackedLinear\) holds a torch.uint8 weight \(12, 1\), not the float \(4, 6\) matrix.*quantized"
+    x = torch.randn(3, 6)
+    with pytest.raises(ValueError, match=message):
+        fa.functional_call(model, adapter, (x,))
+    fa.init(model)
+    with pytest.raises(ValueError, match=message):
+        model.add_new_adapter("q", adapter)
+    assert list(model.fastaf.adapters) == [] and "forward" not in model[1].__dict__  # nothing half-applied
