@@ -87,16 +87,16 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
 
 
 def _check_dense(path: str, module: nn.Module, spec: LinearSpec) -> None:
-    """Refuse, before anything runs, a linear layer whose weight is not the dense float matrix its
-    in/out features say: a quantized one (bitsandbytes' ``Linear4bit`` packs two 4-bit values per
-    uint8, ``Linear8bitLt`` holds int8) reaches no fused rule, and the W + ΔW fold would fail inside
-    torch ("expanded size ... must match") or, in the stateful layer, lose the LoRA."""
+    """Refuse, before anything runs, a linear layer whose weight is not a float tensor: a quantized
+    one (bitsandbytes' ``Linear4bit`` packs two 4-bit values per uint8, ``Linear8bitLt`` holds int8)
+    reaches no fused rule, and the W + ΔW fold failed inside torch ("expanded size ... must match")
+    or, in the stateful layer, lost the LoRA."""
     weight = module._parameters.get("weight")
-    if weight is None or weight.device.type == "meta":
+    # a float weight of another shape may be a placeholder a pre-hook swaps the real one in for
+    # (FSDP2's unsharded weight): only a weight that is not float at all is refused here
+    if weight is None or weight.is_floating_point():
         return
     want = (spec.in_features, spec.out_features) if spec.transposed else (spec.out_features, spec.in_features)
-    if weight.is_floating_point() and tuple(weight.shape) == want:
-        return
     raise ValueError(
         f"{path} ({type(module).__name__}) holds a {weight.dtype} weight {tuple(weight.shape)}, not the float "
         f"{want} matrix of its in/out features: a quantized linear layer (bitsandbytes Linear4bit or Linear8bitLt, "
