@@ -217,8 +217,10 @@ def compiled_class(module: nn.Module) -> type | None:
         return type(module._orig_mod)
     if getattr(module, "_compiled_call_impl", None) is not None:
         return type(module)
+    # dict reads, not getattr: eager calls ask this of every module (an nn.Module's __getattr__
+    # raises internally for a missing name)
     own = module.__dict__.get("forward")
-    inner = getattr(getattr(module, "fastaf", None), "own_forward", None)  # fa.init keeps it there
+    inner = getattr(module._modules.get("fastaf"), "own_forward", None)  # fa.init keeps it there
     compiled = any(getattr(f, "_torchdynamo_orig_callable", None) is not None for f in (own, inner))
     return type(module) if compiled else None
 
