@@ -74,6 +74,33 @@ def test_a_stack_with_ids_decodes_compiled_and_new_ids_compile_nothing():
         assert torch.equal(mixed[i, :one.shape[1]], one[0])  # (a row that ended early is padded after)
 
 
+def test_a_compiled_decode_reads_the_adapter_and_ids_from_static_tensors_kept_per_structure():
+    """CUDA-graph replays copy every tensor input that is not static: the step reads static copies,
+    refilled in place by the next call of the same structure (no new graph, no new recording)."""
+    from fastaf import _generate
+
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    first, second = (random_adapter(model, ["q_proj", "v_proj"], r=4, seed=s) for s in (1, 2))
+    stack = fa.stack([first, second])
+    addresses = []
+    for adapter, row_ids in ((first, None), (second, None), (stack, torch.tensor([1, -1])), (stack, torch.tensor([0, 1]))):
+        want = fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW)
+        assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **_static()), want)
+        kept = _generate._STATIC[model]
+        held = next(v for k, v in reversed(kept.items()) if k[0] == "adapter")
+        for path, lora in adapter.items():  # the last call's values, in tensors dynamo takes as static
+            for mine, theirs in ((held[path].A, lora.A), (held[path].B, lora.B)):
+                assert torch.equal(mine, theirs) and mine is not theirs
+                assert getattr(mine, "_dynamo_static_input_type", None) is not None
+        addresses.append(held["model.layers.0.self_attn.q_proj"].A.data_ptr())
+        if row_ids is not None:
+            static_ids = next(v for k, v in kept.items() if k[0] == "ids")
+            assert torch.equal(static_ids, row_ids) and static_ids._dynamo_static_input_type is not None
+    assert addresses[0] == addresses[1] and addresses[2] == addresses[3]  # refilled, not made anew
+    assert len([k for k in _generate._STATIC[model] if k[0] == "adapter"]) == 2  # one per structure
+
+
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
     base = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)

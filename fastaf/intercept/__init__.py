@@ -10,4 +10,4 @@ from .below_grad import call_below, grad_level
 from .groups import Groups, learned
 from .mode import LoRAMode, adapter_mode, module_mode
 from .routes import Route, link_siblings, module_routes
-from .scope import check_lost, checkpoint_context, explicit_mode_active, scoped_call
+from .scope import check_lost, combine, checkpoint_context, explicit_mode_active, scoped_call

@@ -32,7 +32,9 @@ from .mode import LoRAMode, adapter_mode
 from .routes import Route, is_dtensor
 
 
-def _combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
+def combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
+    """One Adapter for what the entry points take: an Adapter, a list of them (their deltas add:
+    rank concatenation) or None."""
     if adapter is None or isinstance(adapter, Adapter):
         return adapter
     if isinstance(adapter, Sequence) and not isinstance(adapter, (str, bytes)):
@@ -153,6 +155,7 @@ def scoped_call(
     impl: str = "auto",
     batch: int | tuple[int, str] | None = None,
     carry: bool = True,
+    warn_unused: bool = True,
 ) -> Any:
     """``run()`` with ``adapter`` applied to ``model``'s targeted layers: ``functional_call``'s
     machinery, for callers that run the model another way (``fastaf.generate``).
@@ -163,9 +166,10 @@ def scoped_call(
     ``batch``: the number of examples the ids as given must match (or that and the input it was
     read from). ``carry``: False when ``run`` compiles the model inside (transformers' static-cache
     decode step): carried weights, tensor subclasses, must not reach the tracer, which follows the
-    mode instead.
+    mode instead. ``warn_unused``: warn for targeted modules that did not run (False where each
+    call runs a part of the model: ``generate``'s encoder, then its decoder).
     """
-    adapter = _combine(adapter)
+    adapter = combine(adapter)
     if adapter is None or len(adapter) == 0:
         if adapter_ids is not None:
             raise ValueError("fastaf: adapter_ids was given without an adapter (a stacked one, from fastaf.stack)")
@@ -212,7 +216,7 @@ def scoped_call(
     finally:
         if mode.groups is not None:  # outputs held for members that never ran: not kept past the call
             mode.groups.close()
-    _check_applied(routes)
+    _check_applied(model, routes, warn_unused)
     return out
 
 
@@ -309,11 +313,12 @@ def check_lost(routes: list[Route], caller: str) -> None:
                 f"{r.path} ({type(r.module).__name__}) {what.format(getattr(r, count))}" for r in lost[:5]) + why)
 
 
-def _check_applied(routes: list[Route]) -> None:
-    """``check_lost``, and a warning for modules that never ran."""
+def _check_applied(model: nn.Module, routes: list[Route], warn_unused: bool) -> None:
+    """``check_lost``, and a warning for modules that never ran (not where a compiled forward ran
+    them: its graph counts no uses)."""
     check_lost(routes, "fastaf.functional_call")
-    missed = [r.path for r in routes if r.hits == 0]
-    if missed:
+    missed = [r.path for r in routes if r.hits == 0] if warn_unused else []
+    if missed and not any(compiled_class(m) is not None for m in model.modules()):
         warnings.warn(
             f"fastaf.functional_call: {len(missed)} adapted module(s) did not run during the call, "
             f"so their LoRA was not needed: {missed[:5]}",
