@@ -58,13 +58,46 @@ def generate(
         if expand > 1:
             ids = (adapter_ids, adapter_ids.repeat_interleave(expand))
     run = lambda: model.generate(**generate_kwargs)  # noqa: E731
+    adapter = combine(adapter)
+    if adapter is not None and len(adapter):
+        adapter = _in_compute_dtype(model, adapter)
     if _compiles(model, generate_kwargs):
-        adapter = combine(adapter)
         if adapter is not None and len(adapter):
             adapter, ids = _static_copy(model, adapter, ids)
         with _adapted_calls(model, adapter, ids):
             return run()
     return scoped_call(model, adapter, run, adapter_ids=ids, batch=batch)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _in_compute_dtype(model: nn.Module, adapter: Adapter) -> Adapter:
+    """``adapter`` with its fp32 (or fp64) factors cast once to the dtype of the half-precision
+    weight each adapts: the ops cast them to the input's dtype at every call otherwise, two launches
+    per adapted layer per decoding step (fp32 master factors are how adapters train and load).
+    The factors of weights in another dtype, or not found, stay as they are."""
+    loras = {}
+    for path, lora in adapter.items():
+        dtype = _weight_dtype(model, path)
+        if dtype in _HALF and lora.A.dtype not in _HALF:
+            lora = LoRA(lora.A.to(dtype), lora.B.to(dtype), lora.scale, lora.dropout, lora.experts)
+        loras[path] = lora
+    return Adapter(loras)
+
+
+def _weight_dtype(model: nn.Module, path: str) -> torch.dtype | None:
+    """The dtype of the weight an adapter's ``path`` targets (a module's ``weight`` or, for expert
+    LoRAs, a parameter), None where ``path`` names neither."""
+    try:
+        target = model.get_submodule(path)
+    except AttributeError:
+        try:
+            target = model.get_parameter(path)
+        except AttributeError:
+            return None
+    weight = getattr(target, "weight", None) if isinstance(target, nn.Module) else target
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 
 class _AdaptedForward:

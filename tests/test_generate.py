@@ -191,3 +191,23 @@ def test_a_compiled_generate_keeps_nothing_that_holds_the_model():
     torch._dynamo.reset()
     gc.collect()
     assert alive() is None
+
+
+def test_a_half_precision_model_decodes_with_its_fp32_factors_cast_once_and_the_same_tokens():
+    """fp32 master factors over a bf16 model: the ops cast them to the input's dtype at each call;
+    generate casts them once, to the same values, dynamic and compiled."""
+    from fastaf import _generate
+
+    model = tiny_llama().to(torch.bfloat16).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=4, seed=3)
+    adapter = fa.Adapter({p: fa.LoRA(l.A.float(), l.B.float() + 0.05, l.scale) for p, l in adapter.items()})
+    cast = _generate._in_compute_dtype(model, adapter)
+    assert {l.A.dtype for l in cast.values()} == {l.B.dtype for l in cast.values()} == {torch.bfloat16}
+    want = fa.functional_call(model, adapter, (ids,)).logits  # the ops' own casts, per call
+    assert torch.equal(fa.functional_call(model, cast, (ids,)).logits, want)
+    tokens = fa.generate(model, adapter, ids, **NEW)
+    assert not torch.equal(tokens, model.generate(ids, **NEW))
+    assert torch.equal(fa.generate(model, adapter, ids, **NEW, **_static()), tokens)
+    held = next(v for k, v in _generate._STATIC[model].items() if k[0] == "adapter")
+    assert held["model.layers.0.self_attn.q_proj"].A.dtype == torch.bfloat16
