@@ -211,3 +211,32 @@ def test_a_half_precision_model_decodes_with_its_fp32_factors_cast_once_and_the_
     assert torch.equal(fa.generate(model, adapter, ids, **NEW, **_static()), tokens)
     held = next(v for k, v in _generate._STATIC[model].items() if k[0] == "adapter")
     assert held["model.layers.0.self_attn.q_proj"].A.dtype == torch.bfloat16
+
+
+def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypatch):
+    """The decode path is CUDA's (there it saves host time); here it runs on CPU to be checked:
+    prefill (16 rows) and each step (2 rows) take it, the tokens are the op path's and PEFT's."""
+    import importlib
+
+    from fastaf.intercept import use
+
+    L = importlib.import_module("fastaf.ops.lora_linear")  # the module, not its public function
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    adapter = random_adapter(model, targets, r=4, seed=5)
+    want = fa.generate(model, adapter, ids, **NEW)
+    taken = []
+
+    def decode(x, weight, bias, lora, where):
+        taken.append(x.numel() // x.shape[-1])
+        return L.lora_linear_decode(x, weight, bias, lora, where)
+
+    monkeypatch.setattr(use, "decoding", lambda x, lora, impl, training: not torch.is_grad_enabled())
+    monkeypatch.setattr(use, "lora_linear_decode", decode)
+    got = fa.generate(model, adapter, ids, **NEW)
+    layers = model.config.num_hidden_layers * len(targets)
+    assert sorted(set(taken)) == [2, 16] and len(taken) == layers * NEW["max_new_tokens"]
+    assert torch.equal(got, want)
+    peft_model = peft_model_with(copy.deepcopy(model), {"default": adapter}, targets, {"default": (4, 8.0)}).eval()
+    assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)

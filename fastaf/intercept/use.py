@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import _config
-from ..ops import PLAIN_TYPES, check_rows, lora_linear_given_h, lora_linear_multi, routed_lora_linear, shareable, \
-    shared_h_fanned
+from ..ops import PLAIN_TYPES, check_rows, decoding, lora_linear_decode, lora_linear_given_h, lora_linear_multi, \
+    routed_lora_linear, shareable, shared_h_fanned
 
 
 def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -29,6 +29,9 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
         ids = check_rows(mode.ids, x.shape[0], route.path, flattened=flattened)
         return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                  impl=mode.impl, where=route.path)
+    lora = route.lora
+    if not lora.stacked and not lora.experts and decoding(x, lora, mode.impl, route.module.training):
+        return lora_linear_decode(x, weight, bias, lora, route.path)  # no groups: one launch per factor is least
     flags = _config.flags()
     # not in a block compiled inside an eager call (FSDP2 recipes): the groups' bookkeeping
     # (weak references, version counters) breaks dynamo's graph there, and grouping is eager-only

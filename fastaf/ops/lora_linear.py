@@ -42,7 +42,7 @@ from ..kernels import atomics_ok
 from ..kernels import element_index, hash_uniform
 from .._adapter import LoRA
 from ._levels import (_apply_single_level, _CALL, _differentiated, _direct_level, _direct_ok, _double_backward,
-                      _higher_order_traced, level_left, level_token, _NO_SCOPE, note_factors, own_level, pop_layer,
+                      _higher_order_traced, is_wrapped, level_left, level_token, _NO_SCOPE, note_factors, own_level, pop_layer,
                       push_layer, _tangent_sum, _traced_apply, tracked_scope, unwrap_for_grad, wrap_for_grad)
 
 IMPLS = ("auto", "triton", "torch")
@@ -674,6 +674,33 @@ def routed_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     if not torch.compiler.is_compiling():
         check_use(x, weight, bias, lora, where)
     return _lora_linear(x, weight, bias, lora, impl, training)
+
+
+DECODE_ROWS = 64  # rows (batch x new tokens) up to which an inference call is a decoding step
+
+
+def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
+    """Whether a use may take ``lora_linear_decode``: inference (grad off, no functorch level,
+    not traced) of at most ``DECODE_ROWS`` rows of a plain CUDA tensor, impl "auto" or "addmm",
+    no dropout drawn. There the call is host-bound: each launch and each Python layer counts."""
+    return (not torch.is_grad_enabled() and type(x) is Tensor and x.is_cuda and impl in ("auto", "addmm")
+            and x.numel() <= DECODE_ROWS * x.shape[-1] and not (training and lora.dropout)
+            and not torch.compiler.is_compiling() and not is_wrapped(x))
+
+
+def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str) -> Tensor:
+    """``lora_linear`` for a decoding step (``decoding``): cuBLAS's base GEMM, then ``h = x @ A.T``
+    and ``y += scale * h @ B.T`` as mm and addmm_, three launches and nothing else. At 32 rows
+    of a 1B model the Triton kernels' launches cost more host time than the GPU time they save
+    (H200: 166 us a call against 85, under cProfile), and the op's Function, dispatch lookup and
+    sibling grouping are host time at every adapted layer of every step. (..., N) in x's dtype."""
+    x, weight, bias = _autocast(x, weight, bias)
+    check_use(x, weight, bias, lora, where)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+    y = F.linear(x2, weight, bias)  # (M, N)
+    h = torch.mm(x2, _as_dtype(lora.A, x.dtype).T)  # (M, R)
+    y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str, training: bool) -> Tensor:
