@@ -69,8 +69,10 @@ from . import _config
 from ._layouts import check_module
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import Groups, check_lost, explicit_mode_active, link_siblings, module_mode, module_routes
+from .ops import add_lora_rows, decoding
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
+_DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
 
 
 class _LoRAParams(nn.Module):
@@ -177,6 +179,7 @@ class _Registry(nn.Module):
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
+        self.cast_loras: dict[str, tuple] = {}  # key -> (A, A's version, B, B's version, that LoRA in a half dtype)
         self.entered: dict[str, tuple[nn.Module, int]] = {}  # active adapter's module path -> (module, pre-hook id)
         self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
         self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
@@ -217,7 +220,7 @@ class _Registry(nn.Module):
         for p in [] if name is None else self.slot(name).values():
             owners.setdefault(p.owner, []).append(p.path)
             loras.setdefault(p.owner, {})[p.path] = p.lora(detach=False)
-        self.active_loras = {}
+        self.active_loras, self.cast_loras = {}, {}
         for path, keys in owners.items():
             # ``functools.partial`` equal in content across activations: dynamo's guards on it pass
             # again when an adapter comes back (a cached graph, not a recompile)
@@ -279,6 +282,9 @@ class _Registry(nn.Module):
         # hooks) cut short.
         _close_stale(self)
         stack = _open_modes()
+        if self.decodes(keys, module, args):  # (functional_call's explicit adapter never gets here: grad is off)
+            stack.append((module, _DECODE, self, keys[0]))
+            return
         # inside functional_call the explicit adapter stands in for the active one
         mode = None if explicit_mode_active() else self.mode(keys, module)
         counts = None
@@ -291,6 +297,34 @@ class _Registry(nn.Module):
                 counts = [(route.hits, route.gradless) for route in routes]
             mode.__enter__()
         stack.append((module, mode, self, counts))
+
+    def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> bool:
+        """Whether this call of ``module`` is a decoding step of a plain ``nn.Linear`` (``decoding``:
+        grad off, at most 64 rows on CUDA): its own forward then runs as it is and ``leave_module``
+        adds the LoRA to its output, which is exact for a linear map (PEFT's way). A mode per call
+        is host time at every adapted layer of every step: its entry, its exit and the F.linear
+        dispatched through it. Not inside ``functional_call`` (its adapter stands in), nor for a
+        weight passed for one call, nor for an input by keyword."""
+        if type(module) is not nn.Linear or len(keys) != 1 or "forward" in module.__dict__ or len(args) != 1:
+            return False
+        x, weight = args[0], module._parameters["weight"]
+        if type(x) is not torch.Tensor or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
+            return False
+        lora = self.active_lora(keys[0])
+        return decoding(x, lora, _config.flags().stateful_impl, module.training) and not explicit_mode_active()
+
+    def decode_lora(self, key: str, dtype: torch.dtype) -> LoRA:
+        """The active LoRA at ``key`` with its factors in ``dtype``: fp32 masters cast once while
+        they stay as they are (their version counters), not at every step (two launches a layer)."""
+        lora = self.active_lora(key)
+        if lora.A.dtype == dtype and lora.B.dtype == dtype:
+            return lora
+        held = self.cast_loras.get(key)
+        if held is None or held[0] is not lora.A or held[1] != lora.A._version or held[2] is not lora.B \
+                or held[3] != lora.B._version or held[4].A.dtype != dtype:
+            cast = LoRA(lora.A.detach().to(dtype), lora.B.detach().to(dtype), lora.scale, lora.dropout)
+            held = self.cast_loras[key] = (lora.A, lora.A._version, lora.B, lora.B._version, cast)
+        return held[4]
 
     def mode(self, keys: tuple[str, ...], module: nn.Module) -> Any:
         """The mode around ``module``'s forward: on its kept routes, grouping with its siblings
@@ -382,6 +416,11 @@ class _Registry(nn.Module):
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _, mode, _, counts = stack.pop()
+            if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
+                if sys.exc_info()[0] is None:
+                    x = args[0].reshape(-1, args[0].shape[-1])  # (M, K)
+                    add_lora_rows(output.view(-1, output.shape[-1]), x, self.decode_lora(counts, x.dtype))
+                return
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:
                 # the module ran: a weight it used in no way fastaf adapts (a forward reading

@@ -987,3 +987,50 @@ def test_an_adapter_added_inside_a_block_compiled_before_warns():
         layer.compile(backend="eager")
     with pytest.warns(UserWarning, match=r"model\.layers\.0\.self_attn\.q_proj .* sits in model\.layers\.0, compiled"):
         model.add_new_adapter("a", random_adapter(model, ["q_proj"], seed=1))
+
+
+def test_decoding_steps_add_the_lora_to_nn_linear_outputs_and_recast_updated_factors(monkeypatch):
+    """A decoding step of a plain nn.Linear (CUDA's, run here on CPU to be checked) runs no mode:
+    the LoRA is added to the layer's own output, with its fp32 factors cast once to the model's
+    half dtype and again after they change in place. Same tokens as fa.generate and PEFT."""
+    added = []
+
+    def decoding(x, lora, impl, training):
+        added.append(x.shape)
+        return not torch.is_grad_enabled()
+
+    base = tiny_llama().to(torch.bfloat16).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    adapter = random_adapter(base, targets, r=4, seed=6)
+    adapter = fa.Adapter({p: fa.LoRA(l.A.float(), l.B.float() + 0.05, l.scale) for p, l in adapter.items()})
+    kw = dict(max_new_tokens=5, do_sample=False)
+    peft_model = peft_model_with(copy.deepcopy(base), {"default": adapter}, targets, {"default": (4, 8.0)}).eval()
+    assert torch.equal(peft_model.generate(input_ids=ids, **kw), fa.generate(base, adapter, ids, **kw))
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    import fastaf.intercept.use
+    monkeypatch.setattr(fastaf.intercept.use, "decoding", lambda x, lora, impl, training: not torch.is_grad_enabled())
+    want = fa.generate(base, adapter, ids, **kw)  # fa.generate's decode path: the same launches, in bf16
+    monkeypatch.setattr(fastaf._stateful, "decoding", decoding)
+    assert torch.equal(model.generate(ids, **kw), want)
+    steps = len(added) // 6  # each adapted layer's (2 layers x 3) each forward, prefill included
+    assert len(added) == 6 * steps and steps >= 2 and added[0][:2] == ids.shape
+    registry = model.fastaf
+    held = registry.cast_loras["model.layers.0.self_attn.q_proj"][4]
+    assert held.A.dtype == torch.bfloat16 and registry.active_lora("model.layers.0.self_attn.q_proj").A.dtype == torch.float32
+    with torch.no_grad():  # an optimizer's step: in place
+        for p in model.fastaf.adapters["a"].parameters():
+            p.mul_(1.5)
+    again = model.generate(ids, **kw)
+    assert registry.cast_loras["model.layers.0.self_attn.q_proj"][4] is not held  # cast anew
+    scaled = fa.Adapter({p: fa.LoRA(l.A * 1.5, l.B * 1.5, l.scale) for p, l in adapter.items()})
+    assert torch.equal(again, fa.generate(base, scaled, ids, **kw))
+    with torch.no_grad():
+        x = torch.randn(2, 3, 32).to(torch.bfloat16)
+        layer = model.model.layers[0].self_attn.q_proj
+        calls = len(added)
+        by_keyword = layer(input=x)  # a keyword input takes the mode (the op's reference on CPU)
+        assert len(added) == calls and rel_err(layer(x), by_keyword) < 1e-2 and len(added) == calls + 1
+        assert rel_err(by_keyword, layer.forward(x)) > 1e-2  # the LoRA is there

@@ -697,10 +697,16 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     x, weight, bias = _autocast(x, weight, bias)
     check_use(x, weight, bias, lora, where)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-    y = F.linear(x2, weight, bias)  # (M, N)
-    h = torch.mm(x2, _as_dtype(lora.A, x.dtype).T)  # (M, R)
-    y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
+    y = add_lora_rows(F.linear(x2, weight, bias), x2, lora)  # (M, N)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
+    """``y += lora.scale * (x @ A.T) @ B.T`` in place, grad off: y (M, N) a linear map's fresh
+    output on x (M, K) (the stateful layer adds a decoding step's LoRA to ``nn.Linear``'s own
+    output this way). Returns y."""
+    h = torch.mm(x, _as_dtype(lora.A, x.dtype).T)  # (M, R)
+    return y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
 
 
 def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str, training: bool) -> Tensor:
