@@ -240,3 +240,37 @@ def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypa
     assert torch.equal(got, want)
     peft_model = peft_model_with(copy.deepcopy(model), {"default": adapter}, targets, {"default": (4, 8.0)}).eval()
     assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)
+
+
+@pytest.mark.gpu
+def test_cuda_decoding_steps_take_the_decode_path_and_match_the_op_path(monkeypatch):
+    """On CUDA every step after the prefill (2 rows) takes the decode path, functional and
+    stateful; its logits match the op's path (fp32, cuBLAS without TF32 on both)."""
+    import importlib
+
+    from fastaf.intercept import use
+
+    L = importlib.import_module("fastaf.ops.lora_linear")
+    model = tiny_llama().cuda().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=80).cuda()  # a prefill of 160 rows: above the decode path's 64
+    targets = ["q_proj", "v_proj", "down_proj"]
+    adapter = fa.Adapter({p: fa.LoRA(l.A.cuda(), l.B.cuda(), l.scale)
+                          for p, l in random_adapter(model, targets, r=4, seed=7).items()})
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    rows = []
+    monkeypatch.setattr(use, "lora_linear_decode", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
+                        L.lora_linear_decode(x, *a))
+    fast = fa.generate(model, adapter, ids, **kw)
+    assert sorted(set(rows)) == [2] and len(rows) == 2 * len(targets) * 3
+    monkeypatch.setattr(use, "decoding", lambda *a: False)
+    slow = fa.generate(model, adapter, ids, **kw)
+    assert torch.equal(fast.sequences, slow.sequences)
+    for a, b in zip(fast.logits, slow.logits):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    inited = fa.init(copy.deepcopy(model))
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    stateful = inited.generate(ids, **kw)
+    assert torch.equal(stateful.sequences, slow.sequences)
+    for a, b in zip(stateful.logits, slow.logits):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
