@@ -59,10 +59,11 @@ def generate(
             ids = (adapter_ids, adapter_ids.repeat_interleave(expand))
     run = lambda: model.generate(**generate_kwargs)  # noqa: E731
     adapter = combine(adapter)
-    if adapter is not None and len(adapter):
+    present = adapter is not None and len(adapter) > 0
+    if present:
         adapter = _in_compute_dtype(model, adapter)
     if _compiles(model, generate_kwargs):
-        if adapter is not None and len(adapter):
+        if present:
             adapter, ids = _static_copy(model, adapter, ids)
         with _adapted_calls(model, adapter, ids):
             return run()

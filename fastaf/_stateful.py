@@ -282,7 +282,7 @@ class _Registry(nn.Module):
         # hooks) cut short.
         _close_stale(self)
         stack = _open_modes()
-        if self.decodes(keys, module, args):  # (functional_call's explicit adapter never gets here: grad is off)
+        if self.decodes(keys, module, args):  # no mode: leave_module adds the LoRA to the output
             stack.append((module, _DECODE, self, keys[0]))
             return
         # inside functional_call the explicit adapter stands in for the active one

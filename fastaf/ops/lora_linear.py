@@ -42,8 +42,8 @@ from ..kernels import atomics_ok
 from ..kernels import element_index, hash_uniform
 from .._adapter import LoRA
 from ._levels import (_apply_single_level, _CALL, _differentiated, _direct_level, _direct_ok, _double_backward,
-                      _higher_order_traced, is_wrapped, level_left, level_token, _NO_SCOPE, note_factors, own_level, pop_layer,
-                      push_layer, _tangent_sum, _traced_apply, tracked_scope, unwrap_for_grad, wrap_for_grad)
+                      _higher_order_traced, is_wrapped, level_left, level_token, _NO_SCOPE, note_factors, own_level,
+                      pop_layer, push_layer, _tangent_sum, _traced_apply, tracked_scope, unwrap_for_grad, wrap_for_grad)
 
 IMPLS = ("auto", "triton", "torch")
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
