@@ -220,7 +220,7 @@ def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypa
 
     from fastaf.intercept import use
 
-    L = importlib.import_module("fastaf.ops.lora_linear")  # the module, not its public function
+    D = importlib.import_module("fastaf.ops.lora_decode")
     model = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     targets = ["q_proj", "v_proj", "down_proj"]
@@ -228,9 +228,9 @@ def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypa
     want = fa.generate(model, adapter, ids, **NEW)
     taken = []
 
-    def decode(x, weight, bias, lora, where):
+    def decode(x, weight, bias, lora, where, impl):
         taken.append(x.numel() // x.shape[-1])
-        return L.lora_linear_decode(x, weight, bias, lora, where)
+        return D.lora_linear_decode(x, weight, bias, lora, where, impl)
 
     monkeypatch.setattr(use, "decoding", lambda x, lora, impl, training: not torch.is_grad_enabled())
     monkeypatch.setattr(use, "lora_linear_decode", decode)
@@ -250,7 +250,7 @@ def test_cuda_decoding_steps_take_the_decode_path_and_match_the_op_path(monkeypa
 
     from fastaf.intercept import use
 
-    L = importlib.import_module("fastaf.ops.lora_linear")
+    D = importlib.import_module("fastaf.ops.lora_decode")
     model = tiny_llama().cuda().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=80).cuda()  # a prefill of 160 rows: above the decode path's 64
     targets = ["q_proj", "v_proj", "down_proj"]
@@ -259,7 +259,7 @@ def test_cuda_decoding_steps_take_the_decode_path_and_match_the_op_path(monkeypa
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     rows = []
     monkeypatch.setattr(use, "lora_linear_decode", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
-                        L.lora_linear_decode(x, *a))
+                        D.lora_linear_decode(x, *a))
     fast = fa.generate(model, adapter, ids, **kw)
     assert sorted(set(rows)) == [2] and len(rows) == 2 * len(targets) * 3
     monkeypatch.setattr(use, "decoding", lambda *a: False)

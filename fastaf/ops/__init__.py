@@ -3,7 +3,7 @@
 Each op family is one file in the same order (reference -> ``fastaf::`` ops with fakes and vmap
 rules -> ``autograd.Function``s -> the public function): ``lora_linear`` (one adapter),
 ``lora_multi`` (a stack with per-row ids), ``lora_siblings`` (q/k/v, gate/up sharing one pass over
-x), ``lora_group`` (eager siblings as one node). ``_levels`` holds the functorch level plumbing
+x), ``lora_group`` (eager siblings as one node), ``lora_decode`` (a decoding step's few rows). ``_levels`` holds the functorch level plumbing
 they share, the only code that touches functorch's C API; see README.md beside this file.
 """
 from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_level, differentiated_around,
@@ -11,6 +11,7 @@ from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_lev
                       level_token, maybe_level, noted, peek_interpreter, pop_layer, push_layer, single_level_allowed,
                       tracked_scope, unwrap_for_grad, wrap_for_grad)
 from .lora_group import group_fits, group_kernels_apply, lora_group
-from .lora_linear import IMPLS, add_lora_rows, check_use, decoding, lora_linear, lora_linear_decode, routed_lora_linear
+from .lora_decode import DECODE_ROWS, add_lora_rows, decoding, lora_linear_decode
+from .lora_linear import IMPLS, check_use, lora_linear, routed_lora_linear
 from .lora_multi import check_rows, lora_linear_multi, refuse_ids_under_vmap
 from .lora_siblings import lora_linear_given_h, shareable, shared_h_fanned

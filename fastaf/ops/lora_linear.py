@@ -676,39 +676,6 @@ def routed_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     return _lora_linear(x, weight, bias, lora, impl, training)
 
 
-DECODE_ROWS = 64  # rows (batch x new tokens) up to which an inference call is a decoding step
-
-
-def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
-    """Whether a use may take ``lora_linear_decode``: inference (grad off, no functorch level,
-    not traced) of at most ``DECODE_ROWS`` rows of a plain CUDA tensor, impl "auto" or "addmm",
-    no dropout drawn. There the call is host-bound: each launch and each Python layer counts."""
-    return (not torch.is_grad_enabled() and type(x) is Tensor and x.is_cuda and impl in ("auto", "addmm")
-            and x.numel() <= DECODE_ROWS * x.shape[-1] and not (training and lora.dropout)
-            and not torch.compiler.is_compiling() and not is_wrapped(x))
-
-
-def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str) -> Tensor:
-    """``lora_linear`` for a decoding step (``decoding``): cuBLAS's base GEMM, then ``h = x @ A.T``
-    and ``y += scale * h @ B.T`` as mm and addmm_, three launches and nothing else. At 32 rows
-    of a 1B model the Triton kernels' launches cost more host time than the GPU time they save
-    (H200: 166 us a call against 85, under cProfile), and the op's Function, dispatch lookup and
-    sibling grouping are host time at every adapted layer of every step. (..., N) in x's dtype."""
-    x, weight, bias = _autocast(x, weight, bias)
-    check_use(x, weight, bias, lora, where)
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-    y = add_lora_rows(F.linear(x2, weight, bias), x2, lora)  # (M, N)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
-
-
-def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
-    """``y += lora.scale * (x @ A.T) @ B.T`` in place, grad off: y (M, N) a linear map's fresh
-    output on x (M, K) (the stateful layer adds a decoding step's LoRA to ``nn.Linear``'s own
-    output this way). Returns y."""
-    h = torch.mm(x, _as_dtype(lora.A, x.dtype).T)  # (M, R)
-    return y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
-
-
 def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str, training: bool) -> Tensor:
     """``lora_linear`` on checked operands."""
     p = float(lora.dropout) if training else 0.0
@@ -722,10 +689,10 @@ def _lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, 
         return _apply_direct(level, x, weight, bias, lora.A, lora.B, float(lora.scale), p, seed, impl)
     if level < 0 and p == 0.0 and torch.compiler.is_compiling() and not torch.is_grad_enabled() \
             and not _higher_order_traced():
-        # traced inference (a compiled decode step): plain ops, which Inductor fuses with the
-        # base GEMM's neighbours and schedules into the step's CUDA graph; an opaque op cannot be
-        a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
-        return F.linear(x, weight, bias) + float(lora.scale) * F.linear(F.linear(x, a), b)
+        # traced inference (a compiled decode step): cuBLAS's GEMM and one decode launch, or plain ops
+        from .lora_decode import traced_decode
+
+        return traced_decode(x, weight, bias, lora, impl)
     lead, K = x.shape[:-1], x.shape[-1]
     # The factors go in as they are (fp32 masters under bf16 x): the kernels read them in their
     # own dtype and return their gradients in it, the references cast; a cast here was two

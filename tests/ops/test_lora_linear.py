@@ -628,33 +628,3 @@ def test_jvp_rule_is_the_tangent_of_the_formula_and_runs_under_linearize(dropout
         assert_close(y_t, y0_t, torch.float64, f"y_t, varying {which}")
         y_lin, jvp_fn = torch.func.linearize(f, *p)
         assert_close(jvp_fn(*t), y0_t, torch.float64, f"linearize, varying {which}")
-
-
-@pytest.mark.parametrize("M", [1, 3, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [True, False])
-def test_the_decode_path_matches_the_formula_with_master_factors_cast(M, dtype, bias):
-    x, w, b, lo = make(M=M, K=16, N=24, r=4, dtype=dtype, bias=bias, lead=(1,))
-    lo = fa.LoRA(lo.A.float(), lo.B.float(), lo.scale)  # fp32 masters over a bf16 model
-    y = L.lora_linear_decode(x, w, b, lo, "q_proj")
-    assert y.shape == (1, M, 24) and y.dtype == dtype
-    assert_close(y, ref(x, w, b, lo), dtype)
-    with pytest.raises(ValueError, match="q_proj: LoRA A"):
-        L.lora_linear_decode(x, w, b, fa.LoRA(lo.A[:, :8], lo.B, lo.scale), "q_proj")
-
-
-def test_only_few_row_inference_on_cuda_takes_the_decode_path():
-    x, w, b, lo = make(M=4, K=16, N=8, r=2)
-    dropped = fa.LoRA(lo.A, lo.B, lo.scale, 0.1)
-    with torch.no_grad():
-        assert not L.decoding(x, lo, "auto", False)  # a CPU tensor: the reference is as lean
-        if torch.cuda.is_available():
-            xc = x.cuda()
-            assert L.decoding(xc, lo, "auto", False) and L.decoding(xc, lo, "addmm", False)
-            assert L.decoding(xc, dropped, "auto", False)  # eval: no dropout drawn
-            assert not L.decoding(xc, dropped, "auto", True)
-            assert not L.decoding(xc, lo, "triton", False)  # a forced impl is honoured
-            assert not L.decoding(torch.zeros(65, 16, device="cuda"), lo, "auto", False)
-            assert not torch.func.vmap(lambda t: torch.tensor(L.decoding(t, lo, "auto", False)))(xc[None].expand(2, -1, -1, -1)).any()
-    if torch.cuda.is_available():
-        assert not L.decoding(x.cuda(), lo, "auto", False)  # grad on: the Function records the VJP

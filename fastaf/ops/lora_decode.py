@@ -1,0 +1,123 @@
+"""A decoding step's LoRA linear: a few rows, grad off, and nothing but the math.
+
+At a decoding step (at most ``DECODE_ROWS`` rows of a CUDA tensor, grad off) the call is bound
+by launches: their host time eagerly, their fixed GPU latency inside a compiled step's CUDA
+graph. So the step skips the op's Function, dispatch lookup and sibling grouping, runs the base
+GEMM on cuBLAS (``F.linear``) and adds the LoRA to its output with ``fastaf::lora_decode_add``:
+one Triton launch for the shrink and the expand (``fastaf.kernels.lora_decode``), reading fp32
+master factors as they are, where cuBLAS takes ``mm`` + ``addmm_`` (and casts of fp32 factors).
+The ``decode_kernel`` flag (``fastaf._config``) switches to the cuBLAS form, which benchmarks
+time beside it; on a CPU tensor (no Triton) the op runs the torch reference.
+
+Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
+its fake; the functions the interception and the stateful layer call (``decoding``,
+``lora_linear_decode``, ``add_lora_rows``, ``traced_decode``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _config
+from .._adapter import LoRA
+from ._levels import is_wrapped
+from .lora_linear import _as_dtype, _autocast, check_use
+
+DECODE_ROWS = 64  # rows (batch x new tokens) up to which an inference call is a decoding step
+
+
+# ---- 1. reference --------------------------------------------------------------------------
+
+
+def reference_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """y + scale * (x @ a.T) @ b.T, the factors cast to x's dtype. y (M, N), x (M, K), a (R, K),
+    b (N, R) -> (M, N)."""
+    h = x @ _as_dtype(a, x.dtype).T  # (M, R)
+    return torch.addmm(y, h, _as_dtype(b, x.dtype).T, alpha=float(scale))
+
+
+# ---- 2. the op -------------------------------------------------------------------------------
+
+
+def _kernels():
+    """``fastaf.kernels.lora_decode``, imported at the first call: triton loads only when needed."""
+    from ..kernels import lora_decode
+
+    return lora_decode
+
+
+def _add_impl(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``reference_add`` as one Triton launch where the kernel runs (CUDA, or TRITON_INTERPRET=1),
+    else the reference. A fresh (M, N) output: inside a compiled graph y may be read again."""
+    kernels = _kernels()
+    if kernels.supported(x, a, b):
+        return kernels.add_lora(y, x, a, b, scale, out=torch.empty_like(y))
+    return reference_add(y, x, a, b, scale)
+
+
+lora_decode_add = torch.library.custom_op("fastaf::lora_decode_add", mutates_args=())(_add_impl)
+
+
+@lora_decode_add.register_fake
+def _add_fake(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(y)
+
+
+# ---- 3. functions ----------------------------------------------------------------------------
+
+
+def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
+    """Whether a use may take ``lora_linear_decode``: inference (grad off, no functorch level,
+    not traced) of at most ``DECODE_ROWS`` rows of a plain CUDA tensor, impl "auto" or "addmm",
+    no dropout drawn. There the call is host-bound: each launch and each Python layer counts."""
+    return (not torch.is_grad_enabled() and type(x) is Tensor and x.is_cuda and impl in ("auto", "addmm")
+            and x.numel() <= DECODE_ROWS * x.shape[-1] and not (training and lora.dropout)
+            and not torch.compiler.is_compiling() and not is_wrapped(x))
+
+
+def _use_kernel(x: Tensor, lora: LoRA, impl: str) -> bool:
+    """The one-launch kernel for this call of at most ``DECODE_ROWS`` rows (M, K): the flag on,
+    impl not "addmm" (cuBLAS asked for), a CUDA tensor the kernel takes. CPU tensors take the
+    torch form (tests run the kernel itself under the interpreter)."""
+    return (x.is_cuda and impl != "addmm" and _config.flags().decode_kernel and x.shape[0] <= DECODE_ROWS
+            and _kernels().supported(x, lora.A, lora.B))
+
+
+def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA, impl: str = "auto") -> Tensor:
+    """``y += lora.scale * (x @ A.T) @ B.T`` in place, grad off: y (M, N) a linear map's fresh
+    output on x (M, K) (the stateful layer adds a decoding step's LoRA to ``nn.Linear``'s own
+    output this way). One Triton launch (``_use_kernel``), else cuBLAS's mm and addmm_. Returns y."""
+    if _use_kernel(x, lora, impl):
+        return _kernels().add_lora(y, x, lora.A, lora.B, float(lora.scale))
+    h = torch.mm(x, _as_dtype(lora.A, x.dtype).T)  # (M, R)
+    return y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
+
+
+def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str,
+                       impl: str = "auto") -> Tensor:
+    """``lora_linear`` for a decoding step (``decoding``): cuBLAS's base GEMM, then the LoRA added
+    to its output (``add_lora_rows``), and nothing else. At 32 rows of a 1B model the op's
+    Function, dispatch lookup and sibling grouping are host time at every adapted layer of every
+    step (H200: 166 us a call through the op against 85 for cuBLAS's three launches, under
+    cProfile). (..., N) in x's dtype."""
+    x, weight, bias = _autocast(x, weight, bias)
+    check_use(x, weight, bias, lora, where)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+    y = add_lora_rows(F.linear(x2, weight, bias), x2, lora, impl)  # (M, N)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def traced_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str) -> Tensor:
+    """A traced inference call without dropout (a compiled decoding step, or a compiled no_grad
+    forward): the base GEMM, then ``fastaf::lora_decode_add`` on the fp32 or half factors as they
+    are (no cast kernels in the graph), for at most ``DECODE_ROWS`` rows; above that, or with the
+    kernel off, plain ops Inductor schedules with their neighbours. (..., N)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if _use_kernel(x2, lora, impl):
+        y = lora_decode_add(F.linear(x2, weight, bias), x2, lora.A, lora.B, float(lora.scale))
+        return y.view(*x.shape[:-1], y.shape[-1])
+    a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
+    return F.linear(x, weight, bias) + float(lora.scale) * F.linear(F.linear(x, a), b)

@@ -1,0 +1,130 @@
+"""A decoding step's LoRA (``fastaf.ops.lora_decode``, ``fastaf.kernels.lora_decode``) against the
+fp64 formula: the one-launch kernel under the interpreter, the op and its fake under
+``torch.compile``, the cuBLAS form, and which calls take the path."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import fastaf as fa
+from fastaf import _config
+from tests._modes import needs_interpreter
+from tests._tolerances import assert_close
+
+D = importlib.import_module("fastaf.ops.lora_decode")
+
+
+def make(M, K=40, N=24, r=5, dtype=torch.float32, factor_dtype=None, bias=True, lead=(1,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    fd = factor_dtype or dtype
+    lo = fa.LoRA(torch.randn(r, K, generator=g).to(fd), torch.randn(N, r, generator=g).to(fd), 0.7)
+    return x, w, b, lo
+
+
+def ref(x, w, b, lo):
+    """fp64 formula: x @ W.T + b + s * (x @ A.T) @ B.T."""
+    x, w, A, B = x.double(), w.double(), lo.A.double(), lo.B.double()
+    y = x @ w.T + lo.scale * (x @ A.T) @ B.T
+    return y if b is None else y + b.double()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("dtype,factor_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.float32)])
+def test_the_kernel_adds_the_lora_in_place_or_into_out(M, dtype, factor_dtype):
+    # K, N and r off the interpreter's tiles (32, 16) and tl.dot's 16: every tail is masked
+    from fastaf.kernels import lora_decode
+
+    x, w, b, lo = make(M, K=72, N=40, r=5, dtype=dtype, factor_dtype=factor_dtype, lead=())
+    y = torch.nn.functional.linear(x, w, b)
+    want = ref(x, w, b, lo)
+    out = lora_decode.add_lora(y, x, lo.A, lo.B, lo.scale, out=torch.empty_like(y))
+    assert_close(out, want, dtype)
+    assert not torch.equal(out, y)  # y itself is left alone when out is given
+    assert lora_decode.add_lora(y, x, lo.A.T.contiguous().T, lo.B, lo.scale) is y  # in place, any strides
+    assert_close(y, want, dtype)
+
+
+@needs_interpreter
+def test_the_kernel_takes_rank_above_sixteen_and_strided_rows():
+    from fastaf.kernels import lora_decode
+
+    x, w, b, lo = make(24, K=48, N=20, r=33, lead=())
+    xs = torch.cat([x, x], 1)[:, :48]  # rows strided by 96
+    y = torch.nn.functional.linear(xs, w, b)
+    assert_close(lora_decode.add_lora(y, xs, lo.A, lo.B, lo.scale), ref(x, w, b, lo), torch.float32)
+
+
+@needs_interpreter
+def test_the_op_traces_with_its_fake_and_runs_the_kernel_compiled():
+    x, w, b, lo = make(3, factor_dtype=torch.float32, lead=())
+    y = torch.nn.functional.linear(x, w, b)
+    step = torch.compile(lambda y, x: D.lora_decode_add(y, x, lo.A, lo.B, lo.scale), backend="aot_eager",
+                         fullgraph=True)
+    out = step(y, x)
+    assert out is not y and out.shape == y.shape
+    assert_close(out, ref(x, w, b, lo), torch.float32)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_reference_and_the_cublas_form_match_the_formula(kernel):
+    # without the interpreter a CPU call takes the reference in the op and mm + addmm_ in add_lora_rows
+    x, w, b, lo = make(3, factor_dtype=torch.float32, lead=())
+    with _config.override(decode_kernel=kernel):
+        y = D.add_lora_rows(torch.nn.functional.linear(x, w, b), x, lo, impl="addmm")
+    assert_close(y, ref(x, w, b, lo), torch.float32)
+    assert_close(D.reference_add(torch.nn.functional.linear(x, w, b), x, lo.A, lo.B, lo.scale), ref(x, w, b, lo),
+                 torch.float32)
+
+
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_decode_path_matches_the_formula_with_master_factors_cast(M, dtype, bias):
+    x, w, b, lo = make(M=M, K=16, N=24, r=4, dtype=dtype, factor_dtype=torch.float32, bias=bias)
+    y = D.lora_linear_decode(x, w, b, lo, "q_proj")
+    assert y.shape == (1, M, 24) and y.dtype == dtype
+    assert_close(y, ref(x, w, b, lo), dtype)
+    with pytest.raises(ValueError, match="q_proj: LoRA A"):
+        D.lora_linear_decode(x, w, b, fa.LoRA(lo.A[:, :8], lo.B, lo.scale), "q_proj")
+
+
+def test_only_few_row_inference_on_cuda_takes_the_decode_path():
+    x, w, b, lo = make(M=4, K=16, N=8, r=2)
+    dropped = fa.LoRA(lo.A, lo.B, lo.scale, 0.1)
+    with torch.no_grad():
+        assert not D.decoding(x, lo, "auto", False)  # a CPU tensor: the reference is as lean
+        if torch.cuda.is_available():
+            xc = x.cuda()
+            assert D.decoding(xc, lo, "auto", False) and D.decoding(xc, lo, "addmm", False)
+            assert D.decoding(xc, dropped, "auto", False)  # eval: no dropout drawn
+            assert not D.decoding(xc, dropped, "auto", True)
+            assert not D.decoding(xc, lo, "triton", False)  # a forced impl is honoured
+            assert not D.decoding(torch.zeros(65, 16, device="cuda"), lo, "auto", False)
+            assert not torch.func.vmap(lambda t: torch.tensor(D.decoding(t, lo, "auto", False)))(
+                xc[None].expand(2, -1, -1, -1)).any()
+    if torch.cuda.is_available():
+        assert not D.decoding(x.cuda(), lo, "auto", False)  # grad on: the Function records the VJP
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 32, 64])
+def test_the_kernel_matches_cublas_on_cuda_in_bf16(M):
+    x, w, b, lo = make(M, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
+    x, w, b, lo = x.cuda(), w.cuda(), b.cuda(), fa.LoRA(lo.A.cuda(), lo.B.cuda(), lo.scale)
+    with torch.no_grad():
+        with _config.override(decode_kernel=True):
+            got = D.lora_linear_decode(x, w, b, lo, "q_proj")
+        with _config.override(decode_kernel=False):
+            cublas = D.lora_linear_decode(x, w, b, lo, "q_proj")
+        compiled = torch.compile(lambda x: D.traced_decode(x, w, b, lo, "auto"), fullgraph=True)(x)
+    want = ref(x, w, b, lo)
+    for y in (got, cublas, compiled):
+        assert_close(y, want, torch.bfloat16)
