@@ -69,7 +69,7 @@ from . import _config
 from ._layouts import check_module
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import Groups, check_lost, explicit_mode_active, link_siblings, module_mode, module_routes
-from .ops import add_lora_rows, decoding
+from .ops import add_lora_rows, added_lora, decoding
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
@@ -299,19 +299,26 @@ class _Registry(nn.Module):
         stack.append((module, mode, self, counts))
 
     def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> bool:
-        """Whether this call of ``module`` is a decoding step of a plain ``nn.Linear`` (``decoding``:
-        grad off, at most 64 rows on CUDA): its own forward then runs as it is and ``leave_module``
-        adds the LoRA to its output, which is exact for a linear map (PEFT's way). A mode per call
-        is host time at every adapted layer of every step: its entry, its exit and the F.linear
-        dispatched through it. Not inside ``functional_call`` (its adapter stands in), nor for a
-        weight passed for one call, nor for an input by keyword."""
+        """Whether this call of a plain ``nn.Linear`` runs its own forward as it is, with the LoRA
+        added to its output by ``leave_module`` (exact for a linear map, PEFT's way): an eager
+        decoding step (``decoding``: grad off, at most 64 rows on CUDA), or any traced call with
+        grad off and no dropout drawn (a compiled decoding step). A mode per call is host time at
+        every adapted layer of every step: eagerly its entry, its exit and the F.linear dispatched
+        through it; compiled, the routes' counters and the mode's state, which dynamo writes back
+        after every replay of the graph. Not inside ``functional_call`` (its adapter stands in),
+        nor for a weight passed for one call, nor for an input by keyword."""
         if type(module) is not nn.Linear or len(keys) != 1 or "forward" in module.__dict__ or len(args) != 1:
             return False
         x, weight = args[0], module._parameters["weight"]
-        if type(x) is not torch.Tensor or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
+        if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
             return False
         lora = self.active_lora(keys[0])
-        return decoding(x, lora, _config.flags().stateful_impl, module.training) and not explicit_mode_active()
+        impl = _config.flags().stateful_impl
+        if torch.compiler.is_compiling():
+            inference = not torch.is_grad_enabled() and impl == "auto" and not (module.training and lora.dropout)
+        else:
+            inference = type(x) is torch.Tensor and decoding(x, lora, impl, module.training)
+        return inference and not explicit_mode_active()
 
     def decode_lora(self, key: str, dtype: torch.dtype) -> LoRA:
         """The active LoRA at ``key`` with its factors in ``dtype``: fp32 masters cast once while
@@ -406,7 +413,7 @@ class _Registry(nn.Module):
             stacklevel=6,  # the caller's model(...): past end_call and Module's inner, _call_impl, __call__
         )
 
-    def leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+    def leave_module(self, module: nn.Module, args: Any, output: Any) -> Any:
         # On every module some adapter targets, active or not, and ``self.active`` read on every
         # call: dynamo does not guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards),
         # so a graph compiled with no adapter active would never see one activated later; this
@@ -418,8 +425,10 @@ class _Registry(nn.Module):
             _, mode, _, counts = stack.pop()
             if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
                 if sys.exc_info()[0] is None:
-                    x = args[0].reshape(-1, args[0].shape[-1])  # (M, K)
-                    add_lora_rows(output.view(-1, output.shape[-1]), x, self.decode_lora(counts, x.dtype))
+                    x, y = args[0].reshape(-1, args[0].shape[-1]), output.view(-1, output.shape[-1])  # (M, K), (M, N)
+                    if torch.compiler.is_compiling():  # a new output (the hook's return), factors as they are
+                        return added_lora(y, x, self.active_lora(counts)).view(output.shape)
+                    add_lora_rows(y, x, self.decode_lora(counts, x.dtype))
                 return
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:

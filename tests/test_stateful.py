@@ -1034,3 +1034,30 @@ def test_decoding_steps_add_the_lora_to_nn_linear_outputs_and_recast_updated_fac
         by_keyword = layer(input=x)  # a keyword input takes the mode (the op's reference on CPU)
         assert len(added) == calls and rel_err(layer(x), by_keyword) < 1e-2 and len(added) == calls + 1
         assert rel_err(by_keyword, layer.forward(x)) > 1e-2  # the LoRA is there
+
+
+def test_a_compiled_inference_call_adds_the_lora_to_each_linear_output_without_a_mode(monkeypatch):
+    """Traced with grad off, a plain nn.Linear runs its own forward and its always-called hook returns
+    the output plus the LoRA (``added_lora``): no mode, whose counters and state dynamo would write
+    back after every call. Grad on, the mode's op path runs as before. Both equal functional_call."""
+    import fastaf._stateful as stateful_module
+
+    torch._dynamo.reset()
+    model = tiny_llama(layers=2)
+    base = copy.deepcopy(model)
+    fa.init(model)
+    adapter = random_adapter(base, ["q_proj", "v_proj", "down_proj"], seed=3)
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    added = []
+    real = stateful_module.added_lora
+    monkeypatch.setattr(stateful_module, "added_lora", lambda *a, **k: added.append(1) or real(*a, **k))
+    step = torch.compile(lambda ids: model(ids).logits, backend="eager")
+    ids = token_batch()
+    want = fa.functional_call(base, adapter, (ids,)).logits
+    with torch.no_grad():
+        torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)
+    assert len(added) == 2 * 3  # traced once: one per adapted linear
+    added.clear()
+    torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)  # grad on: a new graph, the op path
+    assert not added

@@ -25,7 +25,7 @@ MAX_ROWS = 64  # the (BLOCK_M, BLOCK_K) x tile and (BLOCK_M, R_PAD) h stay in re
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the shrink's K tile, the K each split covers, the expand's N tile, warps and stages;
 # interpreted: small tiles, so odd shapes exercise every tail and several splits
-CUDA_CONFIG = dict(BLOCK_K=256, K_PER_SPLIT=512, BLOCK_N=64, num_warps=4, num_stages=3)
+CUDA_CONFIG = dict(BLOCK_K=128, K_PER_SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=3)
 INTERPRET_CONFIG = dict(BLOCK_K=16, K_PER_SPLIT=32, BLOCK_N=16, num_warps=4, num_stages=1)
 
 SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 3, 7)  # pointers, ints (see launch_sites)

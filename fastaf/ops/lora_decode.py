@@ -11,7 +11,7 @@ time beside it; on a CPU tensor (no Triton) the op runs the torch reference.
 
 Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
 its fake; the functions the interception and the stateful layer call (``decoding``,
-``lora_linear_decode``, ``add_lora_rows``, ``traced_decode``).
+``lora_linear_decode``, ``add_lora_rows``, ``added_lora``, ``traced_decode``).
 """
 from __future__ import annotations
 
@@ -110,14 +110,20 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
+def added_lora(y: Tensor, x: Tensor, lora: LoRA, impl: str = "auto") -> Tensor:
+    """``y + lora.scale * (x @ A.T) @ B.T`` as a new tensor, for traced inference (grad off, no
+    dropout): y (M, N) a linear map's output on x (M, K). ``fastaf::lora_decode_add`` on the
+    factors as they are (no cast kernels in the graph) for at most ``DECODE_ROWS`` rows; above
+    that, or with the kernel off, plain ops Inductor schedules with their neighbours. (M, N)."""
+    if _use_kernel(x, lora, impl):
+        return lora_decode_add(y, x, lora.A, lora.B, float(lora.scale))
+    a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
+    return y + float(lora.scale) * F.linear(F.linear(x, a), b)
+
+
 def traced_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str) -> Tensor:
     """A traced inference call without dropout (a compiled decoding step, or a compiled no_grad
-    forward): the base GEMM, then ``fastaf::lora_decode_add`` on the fp32 or half factors as they
-    are (no cast kernels in the graph), for at most ``DECODE_ROWS`` rows; above that, or with the
-    kernel off, plain ops Inductor schedules with their neighbours. (..., N)."""
+    forward): the base GEMM, then ``added_lora``. (..., N)."""
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    if _use_kernel(x2, lora, impl):
-        y = lora_decode_add(F.linear(x2, weight, bias), x2, lora.A, lora.B, float(lora.scale))
-        return y.view(*x.shape[:-1], y.shape[-1])
-    a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
-    return F.linear(x, weight, bias) + float(lora.scale) * F.linear(F.linear(x, a), b)
+    y = added_lora(F.linear(x2, weight, bias), x2, lora, impl)
+    return y.view(*x.shape[:-1], y.shape[-1])
