@@ -12,6 +12,7 @@ from transformers import CompileConfig
 
 import fastaf as fa
 from tests._models import random_adapter, tiny_bart, tiny_gpt2, tiny_llama, token_batch
+from tests._modes import needs_interpreter
 from tests._peft import peft_model_with
 
 ARCHS = {"llama": (tiny_llama, ["q_proj", "v_proj", "down_proj"]), "gpt2": (tiny_gpt2, ["c_attn", "c_proj"])}
@@ -240,6 +241,32 @@ def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypa
     assert torch.equal(got, want)
     peft_model = peft_model_with(copy.deepcopy(model), {"default": adapter}, targets, {"default": (4, 8.0)}).eval()
     assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)
+
+
+@needs_interpreter
+def test_eager_decoding_steps_with_ids_take_the_grouped_kernels_with_the_same_tokens(monkeypatch):
+    """With a stack and adapter_ids a decoding step (CUDA's, here on CPU through the interpreter)
+    runs cuBLAS's GEMM and the grouped kernels' shrink and expand alone: the tokens are the op
+    path's, and each row's are its adapter's alone."""
+    import importlib
+
+    from fastaf.intercept import use
+
+    D = importlib.import_module("fastaf.ops.lora_decode")
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=3, seq=8)
+    adapters = [random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=r, seed=r) for r in (2, 4)]
+    stack, row_ids = fa.stack(adapters), torch.tensor([1, -1, 0])
+    want = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW)
+    taken = []
+    monkeypatch.setattr(use, "multi_decoding", lambda x, lora, impl, training: not torch.is_grad_enabled())
+    monkeypatch.setattr(use, "lora_multi_decode", lambda x, *a: taken.append(x.numel() // x.shape[-1]) or
+                        D.lora_multi_decode(x, *a))
+    got = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW)
+    assert sorted(set(taken)) == [3, 24] and torch.equal(got, want)
+    for i, alone in enumerate([adapters[1], None, adapters[0]]):
+        one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
+        assert torch.equal(got[i, :one.shape[1]], one[0])
 
 
 @pytest.mark.gpu

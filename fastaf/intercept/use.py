@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _config
 from ..ops import PLAIN_TYPES, check_rows, decoding, lora_linear_decode, lora_linear_given_h, lora_linear_multi, \
-    routed_lora_linear, shareable, shared_h_fanned
+    lora_multi_decode, multi_decoding, routed_lora_linear, shareable, shared_h_fanned
 
 
 def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -27,6 +27,8 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
     mode._count(route)  # inside a custom Function's forward, say, no gradient leaves
     if mode.ids is not None:
         ids = check_rows(mode.ids, x.shape[0], route.path, flattened=flattened)
+        if multi_decoding(x, route.lora, mode.impl, route.module.training):
+            return lora_multi_decode(x, weight, bias, route.lora, ids)
         return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                  impl=mode.impl, where=route.path)
     lora = route.lora

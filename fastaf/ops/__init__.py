@@ -11,7 +11,8 @@ from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_lev
                       level_token, maybe_level, noted, peek_interpreter, pop_layer, push_layer, single_level_allowed,
                       tracked_scope, unwrap_for_grad, wrap_for_grad)
 from .lora_group import group_fits, group_kernels_apply, lora_group
-from .lora_decode import DECODE_ROWS, add_lora_rows, added_lora, decoding, lora_linear_decode
+from .lora_decode import (DECODE_ROWS, add_lora_rows, added_lora, decoding, lora_linear_decode, lora_multi_decode,
+                          multi_decoding)
 from .lora_linear import IMPLS, check_use, lora_linear, routed_lora_linear
 from .lora_multi import check_rows, lora_linear_multi, refuse_ids_under_vmap
 from .lora_siblings import lora_linear_given_h, shareable, shared_h_fanned

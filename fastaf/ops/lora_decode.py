@@ -11,7 +11,8 @@ time beside it; on a CPU tensor (no Triton) the op runs the torch reference.
 
 Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
 its fake; the functions the interception and the stateful layer call (``decoding``,
-``lora_linear_decode``, ``add_lora_rows``, ``added_lora``, ``traced_decode``).
+``lora_linear_decode``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``,
+``traced_decode``).
 """
 from __future__ import annotations
 
@@ -108,6 +109,33 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     y = add_lora_rows(F.linear(x2, weight, bias), x2, lora, impl)  # (M, N)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
+    """``lora_linear_multi`` for a decoding step (``decoding``) of a stack with one id per row:
+    cuBLAS's base GEMM, then the grouped kernels' shrink and expand (``fastaf.kernels.lora_multi``,
+    one segment per row, ids read on the device, -1 rows left alone) and nothing else: the op's
+    Function and level plumbing cost more host time than the three launches. x (..., K) with
+    x.numel() // K == len(ids) rows; lora stacked, A (n, R, K), B (n, N, R) in any float dtype
+    (the kernels read them as they are). (..., N) in x's dtype."""
+    from ..kernels import lora_multi
+
+    x, weight, bias = _autocast(x, weight, bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+    ids = ids.to(x.device, non_blocking=True).contiguous()
+    y = F.linear(x2, weight, bias)  # (M, N)
+    lora_multi.expand_(y, lora_multi.shrink(x2, lora.A, ids), lora.B.transpose(1, 2), ids, float(lora.scale))
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def multi_decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
+    """Whether a use with per-row ids may take ``lora_multi_decode``: ``decoding``, impl "auto",
+    and the grouped kernels able to run on it (a CUDA tensor, a rank they take)."""
+    if lora.experts or not (impl == "auto" and decoding(x, lora, impl, training)):
+        return False
+    from ..kernels import lora_multi
+
+    return lora_multi.supported(x, lora.A)
 
 
 def added_lora(y: Tensor, x: Tensor, lora: LoRA, impl: str = "auto") -> Tensor:

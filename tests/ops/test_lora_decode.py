@@ -128,3 +128,32 @@ def test_the_kernel_matches_cublas_on_cuda_in_bf16(M):
     want = ref(x, w, b, lo)
     for y in (got, cublas, compiled):
         assert_close(y, want, torch.bfloat16)
+
+
+def _stack(n, K, N, r, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return fa.LoRA(torch.randn(n, r, K, generator=g).to(dtype), torch.randn(n, N, r, generator=g).to(dtype), 0.7)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.float16])
+def test_a_stack_with_one_id_per_row_decodes_through_the_grouped_kernels(M, factor_dtype):
+    x, w, b, _ = make(M, K=40, N=24, dtype=torch.float16, lead=())
+    stack = _stack(4, 40, 24, 5, factor_dtype)
+    ids = torch.tensor([-1, 2, 2, 0, 3, 1] * 11)[:M]  # -1 (the base) and repeats
+    got = D.lora_multi_decode(x, w, b, stack, ids)
+    for i in range(M):
+        want = ref(x[i:i + 1], w, b, fa.LoRA(stack.A[ids[i]], stack.B[ids[i]], stack.scale) if ids[i] >= 0
+                   else fa.LoRA(stack.A[0] * 0, stack.B[0], stack.scale))
+        assert_close(got[i:i + 1], want, torch.float16)
+
+
+@needs_interpreter
+def test_a_stack_decodes_examples_of_several_rows_with_one_id_each():
+    x, w, b, _ = make(3, K=40, N=24, lead=(2,))  # 2 examples x 3 rows
+    stack = _stack(3, 40, 24, 4, torch.float32)
+    got = D.lora_multi_decode(x, w, b, stack, torch.tensor([2, 0]))
+    assert got.shape == (2, 3, 24)
+    for i, slot in enumerate((2, 0)):
+        assert_close(got[i], ref(x[i], w, b, fa.LoRA(stack.A[slot], stack.B[slot], stack.scale)), torch.float32)
