@@ -279,7 +279,7 @@ def test_cuda_decoding_steps_take_the_decode_path_and_match_the_op_path(monkeypa
 
     D = importlib.import_module("fastaf.ops.lora_decode")
     model = tiny_llama().cuda().eval().requires_grad_(False)
-    ids = token_batch(batch=2, seq=80).cuda()  # a prefill of 160 rows: above the decode path's 64
+    ids = token_batch(batch=2, seq=520).cuda()  # a prefill of 1040 rows: above the lean path's 1024
     targets = ["q_proj", "v_proj", "down_proj"]
     adapter = fa.Adapter({p: fa.LoRA(l.A.cuda(), l.B.cuda(), l.scale)
                           for p, l in random_adapter(model, targets, r=4, seed=7).items()})

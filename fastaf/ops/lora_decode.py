@@ -1,13 +1,15 @@
-"""A decoding step's LoRA linear: a few rows, grad off, and nothing but the math.
+"""Inference calls of few rows: the LoRA linear with nothing but the math.
 
-At a decoding step (at most ``DECODE_ROWS`` rows of a CUDA tensor, grad off) the call is bound
-by launches: their host time eagerly, their fixed GPU latency inside a compiled step's CUDA
-graph. So the step skips the op's Function, dispatch lookup and sibling grouping, runs the base
-GEMM on cuBLAS (``F.linear``) and adds the LoRA to its output with ``fastaf::lora_decode_add``:
-one Triton launch for the shrink and the expand (``fastaf.kernels.lora_decode``), reading fp32
-master factors as they are, where cuBLAS takes ``mm`` + ``addmm_`` (and casts of fp32 factors).
-The ``decode_kernel`` flag (``fastaf._config``) switches to the cuBLAS form, which benchmarks
-time beside it; on a CPU tensor (no Triton) the op runs the torch reference.
+An eager inference call (grad off) of at most ``EAGER_ROWS`` rows of a CUDA tensor is bound by
+host time, and a decoding step of at most ``DECODE_ROWS`` rows by its launches' fixed latency
+(inside a compiled step's CUDA graph, nothing else). So such a call skips the op's Function,
+dispatch lookup and sibling grouping (``lora_linear_decode``), runs the base GEMM on cuBLAS
+(``F.linear``) and adds the LoRA to its output: up to ``DECODE_ROWS`` rows with
+``fastaf::lora_decode_add``, two Triton launches (``fastaf.kernels.lora_decode``) that read fp32
+master factors as they are, above that with cuBLAS's ``mm`` + ``addmm_``. With per-row adapter
+ids the grouped kernels' shrink and expand do it (``lora_multi_decode``). The ``decode_kernel``
+flag (``fastaf._config``) switches to the cuBLAS form, which benchmarks time beside it; on a CPU
+tensor (no Triton) the op runs the torch reference.
 
 Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
 its fake; the functions the interception and the stateful layer call (``decoding``,
@@ -28,6 +30,9 @@ from ._levels import is_wrapped
 from .lora_linear import _as_dtype, _autocast, check_use
 
 DECODE_ROWS = 64  # rows (batch x new tokens) up to which an inference call is a decoding step
+# rows up to which an eager inference call is host-bound (H200, Llama-3.2-1B shapes: the base
+# GEMM of a projection at 1024 rows takes 10-50 us of GPU, an adapted layer's Python ~50 us)
+EAGER_ROWS = 1024
 
 
 # ---- 1. reference --------------------------------------------------------------------------
@@ -71,11 +76,12 @@ def _add_fake(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tenso
 
 
 def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
-    """Whether a use may take ``lora_linear_decode``: inference (grad off, no functorch level,
-    not traced) of at most ``DECODE_ROWS`` rows of a plain CUDA tensor, impl "auto" or "addmm",
-    no dropout drawn. There the call is host-bound: each launch and each Python layer counts."""
+    """Whether a use may take ``lora_linear_decode``: eager inference (grad off, no functorch
+    level, not traced) of at most ``EAGER_ROWS`` rows of a plain CUDA tensor, impl "auto" or
+    "addmm", no dropout drawn. There the call is host-bound: each launch and each Python layer
+    counts."""
     return (not torch.is_grad_enabled() and type(x) is Tensor and x.is_cuda and impl in ("auto", "addmm")
-            and x.numel() <= DECODE_ROWS * x.shape[-1] and not (training and lora.dropout)
+            and x.numel() <= EAGER_ROWS * x.shape[-1] and not (training and lora.dropout)
             and not torch.compiler.is_compiling() and not is_wrapped(x))
 
 

@@ -106,7 +106,8 @@ def test_only_few_row_inference_on_cuda_takes_the_decode_path():
             assert D.decoding(xc, dropped, "auto", False)  # eval: no dropout drawn
             assert not D.decoding(xc, dropped, "auto", True)
             assert not D.decoding(xc, lo, "triton", False)  # a forced impl is honoured
-            assert not D.decoding(torch.zeros(65, 16, device="cuda"), lo, "auto", False)
+            assert D.decoding(torch.zeros(D.EAGER_ROWS, 16, device="cuda"), lo, "auto", False)
+            assert not D.decoding(torch.zeros(D.EAGER_ROWS + 1, 16, device="cuda"), lo, "auto", False)
             assert not torch.func.vmap(lambda t: torch.tensor(D.decoding(t, lo, "auto", False)))(
                 xc[None].expand(2, -1, -1, -1)).any()
     if torch.cuda.is_available():
