@@ -87,10 +87,11 @@ def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
 
 def _use_kernel(x: Tensor, lora: LoRA, impl: str) -> bool:
     """The one-launch kernel for this call of at most ``DECODE_ROWS`` rows (M, K): the flag on,
-    impl not "addmm" (cuBLAS asked for), a CUDA tensor the kernel takes. CPU tensors take the
-    torch form (tests run the kernel itself under the interpreter)."""
+    impl not "addmm" (cuBLAS asked for), a CUDA tensor the kernels take at a shape where they beat
+    cuBLAS (``wins``). CPU tensors take the torch form (tests run the kernels themselves under the
+    interpreter)."""
     return (x.is_cuda and impl != "addmm" and _config.flags().decode_kernel and x.shape[0] <= DECODE_ROWS
-            and _kernels().supported(x, lora.A, lora.B))
+            and _kernels().supported(x, lora.A, lora.B) and _kernels().wins(x))
 
 
 def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA, impl: str = "auto") -> Tensor:
