@@ -23,7 +23,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``stateful_impl`` | ``FASTAF_STATEFUL_IMPL`` | ``auto`` | the op's ``impl`` in the stateful layer (``auto``, ``triton``, ``torch``) |
 | ``fast_launch`` | ``FASTAF_FAST_LAUNCH`` | on | Triton kernels launched from a cache of compiled kernels, past Triton's launcher (read when a kernel is first launched) |
 | ``launch_graphs`` | ``FASTAF_LAUNCH_GRAPHS`` | on | eager launches of a repeated call replayed from a CUDA graph |
-| ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | a decoding step's LoRA (at most 64 rows, grad off) as one Triton launch; off: cuBLAS's ``mm`` + ``addmm_`` (plain ops when compiled) |
+| ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | a compiled decoding step's LoRA (at most 64 rows, grad off) as two Triton launches; off: plain ops |
 
 ``FASTAF_CACHE_DIR`` (where ``fastaf-tune`` writes its cache) is a path, not a switch, and is read
 where the cache is opened, so a test's ``monkeypatch.setenv`` reaches it.

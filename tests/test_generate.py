@@ -229,9 +229,9 @@ def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypa
     want = fa.generate(model, adapter, ids, **NEW)
     taken = []
 
-    def decode(x, weight, bias, lora, where, impl):
+    def decode(x, weight, bias, lora, where):
         taken.append(x.numel() // x.shape[-1])
-        return D.lora_linear_decode(x, weight, bias, lora, where, impl)
+        return D.lora_linear_decode(x, weight, bias, lora, where)
 
     monkeypatch.setattr(use, "decoding", lambda x, lora, impl, training: not torch.is_grad_enabled())
     monkeypatch.setattr(use, "lora_linear_decode", decode)

@@ -33,7 +33,7 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
                                  impl=mode.impl, where=route.path)
     lora = route.lora
     if not lora.stacked and not lora.experts and decoding(x, lora, mode.impl, route.module.training):
-        return lora_linear_decode(x, weight, bias, lora, route.path, mode.impl)  # no groups: the fewest launches
+        return lora_linear_decode(x, weight, bias, lora, route.path)  # no groups: the fewest launches
     flags = _config.flags()
     # not in a block compiled inside an eager call (FSDP2 recipes): the groups' bookkeeping
     # (weak references, version counters) breaks dynamo's graph there, and grouping is eager-only

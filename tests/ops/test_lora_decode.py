@@ -74,10 +74,12 @@ def test_the_op_traces_with_its_fake_and_runs_the_kernel_compiled():
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_the_reference_and_the_cublas_form_match_the_formula(kernel):
-    # without the interpreter a CPU call takes the reference in the op and mm + addmm_ in add_lora_rows
+    # on CPU added_lora takes plain ops (and the op its reference), add_lora_rows mm + addmm_
     x, w, b, lo = make(3, factor_dtype=torch.float32, lead=())
     with _config.override(decode_kernel=kernel):
-        y = D.add_lora_rows(torch.nn.functional.linear(x, w, b), x, lo, impl="addmm")
+        assert_close(D.added_lora(torch.nn.functional.linear(x, w, b), x, lo), ref(x, w, b, lo), torch.float32)
+    y = torch.nn.functional.linear(x, w, b)
+    assert D.add_lora_rows(y, x, lo) is y
     assert_close(y, ref(x, w, b, lo), torch.float32)
     assert_close(D.reference_add(torch.nn.functional.linear(x, w, b), x, lo.A, lo.B, lo.scale), ref(x, w, b, lo),
                  torch.float32)
@@ -121,13 +123,11 @@ def test_the_kernel_matches_cublas_on_cuda_in_bf16(M):
     x, w, b, lo = make(M, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
     x, w, b, lo = x.cuda(), w.cuda(), b.cuda(), fa.LoRA(lo.A.cuda(), lo.B.cuda(), lo.scale)
     with torch.no_grad():
-        with _config.override(decode_kernel=True):
-            got = D.lora_linear_decode(x, w, b, lo, "q_proj")
-        with _config.override(decode_kernel=False):
-            cublas = D.lora_linear_decode(x, w, b, lo, "q_proj")
+        kernels = D.added_lora(torch.nn.functional.linear(x, w, b), x, lo)  # the decode kernels, eagerly
+        cublas = D.lora_linear_decode(x, w, b, lo, "q_proj")
         compiled = torch.compile(lambda x: D.traced_decode(x, w, b, lo, "auto"), fullgraph=True)(x)
     want = ref(x, w, b, lo)
-    for y in (got, cublas, compiled):
+    for y in (kernels, cublas, compiled):
         assert_close(y, want, torch.bfloat16)
 
 
