@@ -25,11 +25,14 @@ from ._adapter import LoRA
 
 @dataclasses.dataclass(frozen=True)
 class LinearSpec:
-    """in/out features of a LoRA-able module and whether its weight is stored (in, out)."""
+    """in/out features of a LoRA-able module, whether its weight is stored (in, out), and whether
+    it is a quantized linear (``branch``: its weight is no float matrix, so its LoRA is a branch
+    added to the module's own output, exact for a linear map)."""
 
     in_features: int
     out_features: int
     transposed: bool
+    branch: bool = False
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
@@ -37,13 +40,31 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf")
 
 
+def _packed(module: nn.Module) -> bool:
+    """``module`` holds its weights as no float tensor: a parameter or buffer of its own is an
+    integer one (packed 4-bit, int8) and none is a float matrix named ``weight``."""
+    weight = module._parameters.get("weight")
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return False
+    own = [*module._parameters.values(), *module._buffers.values()]
+    return any(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() for t in own)
+
+
 def linear_spec(module: nn.Module) -> LinearSpec | None:
-    """The LinearSpec of ``module``, or None when it is not a linear layer fastaf can adapt."""
+    """The LinearSpec of ``module``, or None when it is not a linear layer fastaf can adapt.
+
+    Quantized linears are linear layers too (``LinearSpec.branch``): bitsandbytes' ``Linear4bit``
+    and ``Linear8bitLt`` (``nn.Linear`` subclasses holding packed uint8 or int8), and any other
+    module with integer ``in_features`` and ``out_features`` whose weights are packed integers
+    (GPTQ, AWQ, HQQ layers)."""
     if isinstance(module, nn.Linear):
-        return LinearSpec(module.in_features, module.out_features, transposed=False)
+        return LinearSpec(module.in_features, module.out_features, transposed=False, branch=_packed(module))
     if _is_hf_conv1d(module):
         k, n = module.weight.shape
         return LinearSpec(k, n, transposed=True)
+    k, n = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if type(k) is int and type(n) is int and _packed(module):
+        return LinearSpec(k, n, transposed=False, branch=True)
     return None
 
 

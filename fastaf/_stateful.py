@@ -66,13 +66,31 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import _config
-from ._layouts import check_module
+from ._layouts import check_module, linear_spec
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import Groups, check_lost, explicit_mode_active, link_siblings, module_mode, module_routes
-from .ops import add_lora_rows, added_lora, decoding
+from .ops import add_lora_rows, added_lora, decoding, lora_branch
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
+_BRANCH = "branch"  # the same for a quantized linear, whose forward fastaf never adapts (``ops.lora_branch``)
+
+
+def _quantized(module: nn.Module) -> bool:
+    spec = linear_spec(module)
+    return spec is not None and spec.branch
+
+
+def _branch_output(module: nn.Module, args: Any, output: Any, lora: LoRA, path: str) -> torch.Tensor:
+    """A quantized linear's output plus its LoRA, from its positional input (as ``functional_call``'s
+    hooks add it)."""
+    if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+        raise ValueError(
+            f"{path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its output "
+            "from its input: it needs the input as its first positional argument and a tensor output; got "
+            f"{type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
+        )
+    return output + lora_branch(args[0], lora, module.training).to(output.dtype)
 
 
 class _LoRAParams(nn.Module):
@@ -285,6 +303,9 @@ class _Registry(nn.Module):
         if self.decodes(keys, module, args):  # no mode: leave_module adds the LoRA to the output
             stack.append((module, _DECODE, self, keys[0]))
             return
+        if _quantized(module) and not explicit_mode_active():  # its weights are packed: a branch on its output
+            stack.append((module, _BRANCH, self, keys[0]))
+            return
         # inside functional_call the explicit adapter stands in for the active one
         mode = None if explicit_mode_active() else self.mode(keys, module)
         counts = None
@@ -423,6 +444,10 @@ class _Registry(nn.Module):
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _, mode, _, counts = stack.pop()
+            if mode is _BRANCH:  # a quantized linear's output plus its LoRA (``ops.lora_branch``)
+                if sys.exc_info()[0] is None:
+                    return _branch_output(module, args, output, self.active_lora(counts), counts)
+                return
             if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
                 if sys.exc_info()[0] is None:
                     x, y = args[0].reshape(-1, args[0].shape[-1]), output.view(-1, output.shape[-1])  # (M, K), (M, N)

@@ -452,7 +452,10 @@ def _check_fit(
                          + (f" (similar: {close})" if close else ""))
     if not weight.is_floating_point():
         raise TypeError(
-            f"merge_into: {name} {tuple(weight.shape)} has dtype {weight.dtype}; expected a float weight"
+            f"merge_into: {name} {tuple(weight.shape)} has dtype {weight.dtype}; expected a float weight. A "
+            "quantized layer's packed weight (bitsandbytes Linear4bit, Linear8bitLt, GPTQ, AWQ) cannot take W + ΔW: "
+            "keep the adapter beside the model (functional_call, fastaf.init), or merge into the base loaded in "
+            "bf16 or fp16"
         )
     if lora.A.is_meta and not weight.is_meta:  # no values to add (torch's "Cannot copy out of meta tensor")
         raise ValueError(f"merge_into: {path}: LoRA A {tuple(lora.A.shape)} is on meta (no values) but {name} is "

@@ -83,8 +83,11 @@ class LoRAMode(TorchFunctionMode):
         if impl not in IMPLS:  # once per call: the layers' op calls (routed_lora_linear) do not check it
             raise ValueError(f"fastaf: impl must be one of {IMPLS}, got {impl!r}")
         # linear routes (fused into lora_linear) and parameter routes (substituted), by weight id
-        self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec)}
+        self.routes = {k: r for k, r in routes.items() if isinstance(r.spec, LinearSpec) and not r.branch}
         self.params = {k: r for k, r in routes.items() if isinstance(r.spec, ParamSpec)}
+        # quantized linears: their LoRA is added to their output by the caller's hooks, their
+        # weights pass through this mode untouched
+        self.branches = [r for r in routes.values() if r.branch]
         # made inside a trace (functional_call under torch.compile), not eagerly around compiled blocks
         self.traced = torch.compiler.is_compiling()
         # a routed linear weight that is no nn.Parameter (params=): traced folds scan every call
@@ -130,7 +133,7 @@ class LoRAMode(TorchFunctionMode):
         super().__exit__(*exc)
 
     def all_routes(self) -> list[Route]:
-        return [*self.routes.values(), *self.params.values()]
+        return [*self.routes.values(), *self.params.values(), *self.branches]
 
     def key(self, route: Route, weight: Tensor) -> None:
         """Route ``weight`` too (a weight swapped into the module when it runs)."""

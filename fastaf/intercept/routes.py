@@ -30,6 +30,9 @@ class Route:
     lora: LoRA
     spec: LinearSpec | ParamSpec  # ParamSpec: substituted by W + ΔW wherever it is used
     name: str = "weight"  # the weight's attribute on ``module``
+    # a quantized linear (``LinearSpec.branch``): the LoRA is added to the module's output by
+    # hooks, and its weight is never intercepted (``ops.lora_branch``)
+    branch: bool = False
     hits: int = 0  # uses of the weight sent through lora_linear (or substituted)
     calls: int = 0  # module runs (the mode's per-call hooks), or uses no rule adapted (a carrier)
     merged: Tensor | None = None  # W + ΔW, made at its first use that needs it in the call
@@ -82,28 +85,15 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
     spec = linear_spec(module)
     if spec is None:
         raise ValueError(f"adapter path {path!r} is a {type(module).__name__}, not a linear layer")
-    _check_dense(path, module, spec)
     return module, "weight", spec
 
 
-def _check_dense(path: str, module: nn.Module, spec: LinearSpec) -> None:
-    """Refuse, before anything runs, a linear layer whose weight is not a float tensor: a quantized
-    one (bitsandbytes' ``Linear4bit`` packs two 4-bit values per uint8, ``Linear8bitLt`` holds int8)
-    reaches no fused rule, and the W + ΔW fold failed inside torch ("expanded size ... must match")
-    or, in the stateful layer, lost the LoRA."""
-    weight = module._parameters.get("weight")
-    # a float weight of another shape may be a placeholder a pre-hook swaps the real one in for
-    # (FSDP2's unsharded weight): only a weight that is not float at all is refused here
-    if weight is None or weight.is_floating_point():
-        return
-    want = (spec.in_features, spec.out_features) if spec.transposed else (spec.out_features, spec.in_features)
-    raise ValueError(
-        f"{path} ({type(module).__name__}) holds a {weight.dtype} weight {tuple(weight.shape)}, not the float "
-        f"{want} matrix of its in/out features: a quantized linear layer (bitsandbytes Linear4bit or Linear8bitLt, "
-        "GPTQ, AWQ, HQQ, torchao) is not supported yet. Load the base in bf16 or fp16 to adapt this module, or "
-        "leave it out of the adapter's targets"
-    )
-
+def _held(module: nn.Module, name: str, spec: LinearSpec | ParamSpec) -> Tensor:
+    """The tensor a route is keyed by: the module's weight, or for a quantized linear without one
+    (GPTQ's ``qweight``) its first own parameter or buffer (its device is the layer's)."""
+    if not (isinstance(spec, LinearSpec) and spec.branch) or isinstance(getattr(module, name, None), Tensor):
+        return getattr(module, name)
+    return next(t for t in (*module._parameters.values(), *module._buffers.values()) if isinstance(t, Tensor))
 
 
 def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: LinearSpec | ParamSpec,
@@ -156,7 +146,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
     routes: dict[int, Route] = {}
     for path, lora in adapter.items():
         module, name, spec = _resolve(modules, path, lora, model)
-        weight = params.get(path if lora.experts else f"{path}.weight", getattr(module, name))
+        weight = params.get(path if lora.experts else f"{path}.weight", _held(module, name, spec))
         if not check and is_dtensor(weight):
             # compiled, one mode keys the weights at the call's start; FSDP2 swaps in the
             # unsharded weight later, which that mode would miss without a word
@@ -173,7 +163,8 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
                 f"{other} and {path} share one weight tensor (tied), which fastaf adapts at every use: it cannot "
                 f"hold a LoRA per module. Untie them to adapt each: {_untie(path, other)}"
             )
-        routes[id(weight)] = Route(path, module, weight, lora, spec, name)
+        routes[id(weight)] = Route(path, module, weight, lora, spec, name,
+                                   branch=isinstance(spec, LinearSpec) and spec.branch)
     link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
@@ -205,7 +196,7 @@ def link_siblings(routes: Iterable[Route]) -> None:
     input tensor, so a wrong guess (o_proj) costs r more columns of h, no more."""
     groups: dict[tuple[str, int], list[Route]] = {}
     for route in routes:
-        if isinstance(route.spec, LinearSpec):
+        if isinstance(route.spec, LinearSpec) and not route.branch:  # a branch shares nothing: no op call
             groups.setdefault((route.path.rpartition(".")[0], route.spec.in_features), []).append(route)
     for members in groups.values():
         if len(members) > 1:
@@ -224,7 +215,8 @@ def module_routes(module: nn.Module, loras: Mapping[str, LoRA]) -> dict[int, Rou
             spec: LinearSpec | ParamSpec = param_spec(module, name)
         else:
             name, spec = "weight", linear_spec(module)
-        weight = getattr(module, name)
-        routes[id(weight)] = Route(key, module, weight, lora, spec, name)
+        weight = _held(module, name, spec)
+        routes[id(weight)] = Route(key, module, weight, lora, spec, name,
+                                   branch=isinstance(spec, LinearSpec) and spec.branch)
     return routes
 

@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .. import _config
 from .._adapter import Adapter
 from .._layouts import LinearSpec, compiled_class
-from ..ops import interpreter_stack
+from ..ops import interpreter_stack, lora_branch
 from . import carrier
 from .mode import LoRAMode, adapter_mode
 from .routes import Route, is_dtensor
@@ -87,7 +87,11 @@ class _WeightWatch:
     def __enter__(self) -> _WeightWatch:
         try:
             for route in self.mode.all_routes() if self.hooks else ():
-                self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
+                if not route.branch:
+                    self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
+            for route in self.mode.branches:  # carried or not: nothing else adapts a quantized layer
+                self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._enters, route)))
+                self.handles.append(route.module.register_forward_hook(functools.partial(self._adds, route)))
         except BaseException:
             self._remove()
             raise
@@ -114,6 +118,25 @@ class _WeightWatch:
             self.mode.key(route, weight)
         if isinstance(route.spec, LinearSpec):
             self.mode.current = route
+
+
+    def _enters(self, route: Route, module: nn.Module, args: Any) -> None:
+        if _scopes() and _scopes()[-1] is self:
+            route.calls += 1
+
+    def _adds(self, route: Route, module: nn.Module, args: Any, output: Any) -> Any:
+        """A quantized layer's output plus its LoRA (``ops.lora_branch``), from its positional input."""
+        scopes = _scopes()
+        if not scopes or scopes[-1] is not self:
+            return None
+        if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+            raise ValueError(
+                f"{route.path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its "
+                f"output from its input: it needs the input as its first positional argument and a tensor output; "
+                f"got {type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
+            )
+        route.hits += 1
+        return output + lora_branch(args[0], route.lora, module.training).to(output.dtype)
 
 
 def explicit_mode_active() -> bool:
@@ -197,6 +220,17 @@ def scoped_call(
             "do not run under torch.func transforms on CUDA (an all-gather copying into captured tensors, "
             "an old-style autograd.Function; torch 2.11): differentiate with one eager torch.func.grad "
             "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
+        )
+    if mode.branches and (compiling or adapter_ids is not None):
+        first = mode.branches[0]
+        raise NotImplementedError(
+            f"fastaf: {first.path} ({type(first.module).__name__}) is a quantized linear layer ({len(mode.branches)} "
+            "in the adapter), whose LoRA is added to its output by hooks for the call: "
+            + ("torch.compile over functional_call registers no hooks inside the graph. Run functional_call "
+               "eagerly, or use the stateful layer (fastaf.init), whose hooks a compiled model keeps"
+               if compiling else
+               "adapter_ids (one adapter per example) is not supported on such layers yet. Call once per adapter, "
+               "or load the base in bf16")
         )
     if compiling:
         # tracers see the mode alone (no hooks to register inside a graph): a module's runs are not

@@ -3,13 +3,14 @@
 Each op family is one file in the same order (reference -> ``fastaf::`` ops with fakes and vmap
 rules -> ``autograd.Function``s -> the public function): ``lora_linear`` (one adapter),
 ``lora_multi`` (a stack with per-row ids), ``lora_siblings`` (q/k/v, gate/up sharing one pass over
-x), ``lora_group`` (eager siblings as one node), ``lora_decode`` (a decoding step's few rows). ``_levels`` holds the functorch level plumbing
+x), ``lora_group`` (eager siblings as one node), ``lora_decode`` (a decoding step's few rows), ``lora_branch`` (the LoRA beside a quantized layer). ``_levels`` holds the functorch level plumbing
 they share, the only code that touches functorch's C API; see README.md beside this file.
 """
 from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_level, differentiated_around,
                       entered_in_grad_mode, get_unwrapped, grad_mode_beneath, interpreter_stack, is_wrapped, level_left,
                       level_token, maybe_level, noted, peek_interpreter, pop_layer, push_layer, single_level_allowed,
                       tracked_scope, unwrap_for_grad, wrap_for_grad)
+from .lora_branch import lora_branch
 from .lora_group import group_fits, group_kernels_apply, lora_group
 from .lora_decode import (DECODE_ROWS, add_lora_rows, added_lora, decoding, lora_linear_decode, lora_multi_decode,
                           multi_decoding)

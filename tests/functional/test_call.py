@@ -1057,17 +1057,47 @@ class _PackedLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.dense)
 
 
-def test_a_quantized_linear_is_refused_by_name_before_anything_runs():
-    """init_adapter follows the logical shapes; every entry point that applies the adapter refuses
-    the packed weight with fastaf's message (a crash inside the fold, or a silently lost LoRA, before)."""
+def _packed_model():
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), _PackedLinear(6, 4)).requires_grad_(False)
     adapter = fa.init_adapter(model, fa.LoRAConfig(r=2, alpha=4, targets=["1"]), seed=0)
-    assert adapter["1"].A.shape == (2, 6) and adapter["1"].B.shape == (4, 2)
-    message = r"1 \(_PackedLinear\) holds a torch.uint8 weight \(12, 1\), not the float \(4, 6\) matrix.*quantized"
-    x = torch.randn(3, 6)
-    with pytest.raises(ValueError, match=message):
-        fa.functional_call(model, adapter, (x,))
+    assert adapter["1"].A.shape == (2, 6) and adapter["1"].B.shape == (4, 2)  # the logical shapes
+    g = torch.Generator().manual_seed(1)
+    return model, fa.Adapter({"1": fa.LoRA(adapter["1"].A, torch.randn(4, 2, generator=g), adapter["1"].scale)})
+
+
+def test_a_quantized_linear_gets_its_lora_as_a_branch_on_its_output():
+    """A linear whose weight is packed (bitsandbytes' Linear4bit, a GPTQ layer) runs its own forward;
+    its LoRA is added to the output, exact for a linear map: functional_call, its gradients and
+    the stateful layer equal the fp64 formula over the dense weight the layer stands for."""
+    model, adapter = _packed_model()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    model.double()
+    lo = fa.LoRA(adapter["1"].A.double().requires_grad_(), adapter["1"].B.double().requires_grad_(), 2.0)
+    got = fa.functional_call(model, fa.Adapter({"1": lo}), (x,))
+    h = model[0](x)
+    A, B = lo.A.detach().clone().requires_grad_(), lo.B.detach().clone().requires_grad_()
+    want = h @ model[1].dense.T + 2.0 * h @ A.T @ B.T
+    torch.testing.assert_close(got, want)
+    dy = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad(got, (lo.A, lo.B), dy), torch.autograd.grad(want, (A, B), dy)):
+        torch.testing.assert_close(g, w)
     fa.init(model)
-    with pytest.raises(ValueError, match=message):
-        model.add_new_adapter("q", adapter)
-    assert list(model.fastaf.adapters) == [] and "forward" not in model[1].__dict__  # nothing half-applied
+    model.add_new_adapter("q", fa.Adapter({"1": fa.LoRA(lo.A.detach(), lo.B.detach(), 2.0)}))
+    model.set_active_adapter("q")
+    torch.testing.assert_close(model(x), want.detach())
+
+
+def test_a_quantized_linear_refuses_what_it_cannot_take_by_name():
+    """Under torch.compile functional_call registers no hooks, adapter_ids have no branch yet, and a
+    packed weight cannot take W + ΔW: each says so, naming the layer, before anything runs."""
+    model, adapter = _packed_model()
+    x = torch.randn(3, 6)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"1 \(_PackedLinear\) is a quantized linear layer.*torch.compile"):
+        torch.compile(lambda x: fa.functional_call(model, adapter, (x,)), backend="eager", fullgraph=True)(x)
+    stack = fa.stack([adapter, adapter])
+    with pytest.raises(NotImplementedError, match=r"1 \(_PackedLinear\) is a quantized.*adapter_ids"):
+        fa.functional_call(model, stack, (x,), adapter_ids=torch.tensor([0, 1, 0]))
+    with pytest.raises(TypeError, match=r"1.weight \(12, 1\) has dtype torch.uint8.*quantized layer's packed weight"):
+        fa.merge_into(model, adapter)
+    assert torch.equal(model[1].weight, torch.zeros(12, 1, dtype=torch.uint8))

@@ -1,0 +1,158 @@
+"""Bases loaded through transformers' ``BitsAndBytesConfig`` (bitsandbytes runs NF4, FP4 and int8
+on the CPU): every quantized linear keeps its packed weights and runs its own forward, its LoRA
+added to the output (``ops.lora_branch``). Forward, gradients and generate against PEFT's QLoRA
+with the same factors; torch.func against autograd; the stateful layer's training and files
+against PEFT."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+import fastaf as fa
+from tests._models import random_adapter, token_batch
+from tests._peft import peft_grads, peft_model_with
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+R, ALPHA = 4, 8.0
+KINDS = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "fp4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama on disk: hidden 64, so every in_features fills bitsandbytes' 64-value blocks."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+def quantized(saved, kind: str):
+    """The model loaded with ``kind`` and frozen, in train mode (no dropout anywhere): in eval mode
+    bitsandbytes repacks a 4-bit weight in place for the CPU at its first gradless call, which
+    would change the weight a pending backward dequantizes (bitsandbytes 0.50)."""
+    config = BitsAndBytesConfig(**KINDS[kind], bnb_4bit_compute_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # int8 on the CPU: "inputs will be cast to float16"
+        model = AutoModelForCausalLM.from_pretrained(saved, quantization_config=config, dtype=torch.float32)
+    return model.requires_grad_(False).train()
+
+
+def _logits(fn, ids):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(ids).logits
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_functional_call_equals_peft_qlora_forward_and_gradients(saved, kind):
+    model = quantized(saved, kind)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert not layer.weight.is_floating_point()  # packed: the base stays quantized
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=1)
+    assert adapter["model.layers.0.mlp.down_proj"].A.shape == (R, 128)  # the logical (out, in) shapes
+    ids = token_batch()
+    pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
+    leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
+    got = _logits(lambda i: fa.functional_call(model, leaves, (i,)), ids)
+    want = _logits(pm, ids)
+    base = _logits(model, ids)
+    assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(got)
+    (got * dy).sum().backward()
+    (want * dy).sum().backward()
+    for path, (da, db) in peft_grads(pm, adapter).items():
+        torch.testing.assert_close(leaves[path].A.grad, da, rtol=1e-4, atol=1e-6, msg=lambda m: f"{path} dA: {m}")
+        torch.testing.assert_close(leaves[path].B.grad, db, rtol=1e-4, atol=1e-6, msg=lambda m: f"{path} dB: {m}")
+
+
+def test_torch_func_grad_equals_autograd_on_a_quantized_base(saved):
+    model = quantized(saved, "nf4")
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=2)
+    ids = token_batch()
+
+    def loss(ad):
+        return fa.functional_call(model, ad, (ids,)).logits.square().mean()
+
+    grads = torch.func.grad(loss)(adapter)
+    leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
+    loss(leaves).backward()
+    for path, lora in leaves.items():
+        torch.testing.assert_close(grads[path].A, lora.A.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grads[path].B, lora.B.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_generate_equals_peft_qlora_generate(saved):
+    model = quantized(saved, "nf4-double")
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=3)
+    ids = token_batch(batch=2, seq=6)
+    kw = dict(max_new_tokens=5, do_sample=False)
+    pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
+    with torch.no_grad():
+        want = pm.generate(input_ids=ids, **kw)
+        assert torch.equal(fa.generate(model, adapter, ids, **kw), want)
+        inited = fa.init(copy.deepcopy(model))
+        inited.add_new_adapter("a", adapter)
+        inited.set_active_adapter("a")
+        assert torch.equal(inited.generate(ids, **kw), want)
+
+
+def test_the_stateful_layer_trains_a_quantized_base_and_writes_what_peft_reads(saved, tmp_path):
+    """The active adapter's LoRA reaches a 4-bit layer's output (it was silently dropped): the
+    gradients equal functional_call's, and the folder it saves loads in PEFT over the quantized
+    base with the same logits; PEFT's own QLoRA folder loads in fastaf."""
+    model = quantized(saved, "nf4")
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=4)
+    ids = token_batch()
+    leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
+    _logits(lambda i: fa.functional_call(model, leaves, (i,)), ids).square().mean().backward()
+    inited = fa.init(copy.deepcopy(model))
+    inited.add_new_adapter("sql", adapter)
+    inited.set_active_adapter("sql")
+    inited.train()
+    _logits(inited, ids).square().mean().backward()
+    params = {name: p for name, p in inited.named_parameters() if p.requires_grad}
+    assert len(params) == 2 * len(adapter)  # the adapter's factors alone train: the base stays frozen
+    for path, lora in leaves.items():
+        (name,) = [n for n in params if n.endswith(path.replace(".", "__") + ".A")]
+        torch.testing.assert_close(params[name].grad, lora.A.grad, rtol=1e-5, atol=1e-7)
+    inited.eval()
+    inited.save_pretrained(tmp_path / "fastaf")
+    with torch.no_grad():
+        got = _logits(inited, ids)
+        reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "fastaf")
+        torch.testing.assert_close(_logits(reloaded, ids), got, rtol=1e-5, atol=1e-5)
+    pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
+    pm.save_pretrained(tmp_path / "peft")
+    loaded = fa.read_adapter(tmp_path / "peft", model=model)
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(lambda i: fa.functional_call(model, loaded, (i,)), ids), _logits(pm, ids),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_stateful_model_adds_the_lora_of_its_quantized_layers(saved):
+    """The stateful layer's hooks, which a compiled model keeps, add the branch inside the graph."""
+    model = quantized(saved, "nf4")
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=5)
+    ids = token_batch()
+    with torch.no_grad():
+        want = _logits(lambda i: fa.functional_call(model, adapter, (i,)), ids)
+    inited = fa.init(model)
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(torch.compile(inited, backend="aot_eager"), ids), want, rtol=1e-5, atol=1e-5)
