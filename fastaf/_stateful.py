@@ -333,12 +333,13 @@ class _Registry(nn.Module):
         x, weight = args[0], module._parameters["weight"]
         if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
             return False
-        lora = self.active_lora(keys[0])
         impl = _config.flags().stateful_impl
         if torch.compiler.is_compiling():
-            inference = not torch.is_grad_enabled() and impl == "auto" and not (module.training and lora.dropout)
+            if torch.is_grad_enabled() or impl != "auto":  # a training step: the mode's op path
+                return False
+            inference = not (module.training and self.active_lora(keys[0]).dropout)
         else:
-            inference = type(x) is torch.Tensor and decoding(x, lora, impl, module.training)
+            inference = type(x) is torch.Tensor and decoding(x, self.active_lora(keys[0]), impl, module.training)
         return inference and not explicit_mode_active()
 
     def decode_lora(self, key: str, dtype: torch.dtype) -> LoRA:

@@ -1,0 +1,160 @@
+"""QLoRA: what a LoRA training step costs over a 4-bit base, against the same step over bf16.
+
+    python bench/qlora.py [--providers peft-bf16,peft-qlora,...] [--tiny]
+
+Model: the Llama-3-8B shape (``bench/configs/llama-3-8b-shape.json``: hidden 4096, 32 layers, 32
+heads, 8 kv heads, MLP 14336, vocab 128256) with random bf16 weights; 4 x 1024 tokens; LoRA r=16,
+alpha=32 on q,k,v,o,gate,up,down; AdamW on the adapter. A ``-qlora`` provider's base has every
+targeted linear replaced by bitsandbytes' ``Linear4bit`` (NF4 with double quantization, bf16
+compute: what QLoRA recipes load through ``BitsAndBytesConfig``), quantized from the same weights.
+Providers, each a full step (forward, loss, backward, optimizer step):
+- peft-bf16 / peft-qlora: PEFT with bf16 adapters over the bf16 / the 4-bit base;
+- fastaf-bf16 / fastaf-qlora: ``fa.functional_call`` with the adapter's leaves requiring grad,
+  ``loss.backward()`` and AdamW;
+- fastaf-bf16-compiled / fastaf-qlora-compiled: the stateful layer (``fa.init``) under
+  ``torch.compile(model)``, ``loss.backward()`` and AdamW (``torch.compile`` over
+  ``functional_call`` refuses quantized layers: README, QLoRA).
+Each provider builds its own model and frees it after, so ``max_mem_gib`` is its own peak (CUDA
+memory allocated, model included); ``ms`` is ``do_bench``'s median over its steps. The first
+step's loss is checked against the bf16 base's (every adapter starts with B = 0; a 4-bit base
+differs by its quantization: 2% allowed). Rows go to bench/results/qlora.csv (bench/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _harness as H  # noqa: E402
+from bench.e2e import _autograd_step, _wall_ms  # noqa: E402
+
+import fastaf as fa  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b-shape.json"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 16, 32
+PROVIDERS = ["peft-bf16", "peft-qlora", "fastaf-bf16", "fastaf-qlora", "fastaf-bf16-compiled", "fastaf-qlora-compiled"]
+CASE = ("model", "batch", "seq", "r", "quant")
+FIGURES = ("ms", "p20", "p80", "max_mem_gib", "first_step_s", "loss0")
+
+
+def make_model(tiny: bool, device: str, qlora: bool):
+    """The bf16 model, or (``qlora``) the same weights with each targeted linear as an NF4
+    double-quantized ``Linear4bit``, built one layer at a time so the bf16 copy never sits whole
+    beside the 4-bit one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512) if tiny else {
+        k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "model_type"}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=2048)).to(torch.bfloat16)
+    if qlora:
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if name in TARGETS:
+                        setattr(parent, name, _nf4(child, device))
+    return model.train().requires_grad_(False)
+
+
+def _nf4(linear: torch.nn.Linear, device: str) -> torch.nn.Module:
+    import bitsandbytes as bnb
+
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="cpu")
+    q.weight = bnb.nn.Params4bit(linear.weight.data.cpu(), requires_grad=False, compress_statistics=True,
+                                 quant_type="nf4")
+    return q.to(device)  # quantizes on the move (on the CPU for --tiny, bitsandbytes >= 0.49)
+
+
+def peft_step(model, ids):
+    import peft
+
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+    pm = peft.get_peft_model(model, cfg, autocast_adapter_dtype=False)  # bf16 adapters
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    return _autograd_step(lambda: pm(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
+
+
+def fastaf_step(model, ids):
+    leaves, spec = pytree.tree_flatten(fa.init_adapter(model, fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS),
+                                                       seed=0))
+    leaves = [t.requires_grad_() for t in leaves]
+    batch = {"input_ids": ids, "labels": ids}
+    return _autograd_step(lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss,
+                          leaves, ids.is_cuda)
+
+
+def fastaf_compiled_step(model, ids):
+    fa.init(model)
+    model.add_new_adapter("a", fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS), seed=0)
+    model.set_active_adapter("a")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    run = torch.compile(model)
+    return _autograd_step(lambda: run(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
+
+
+MAKERS = {"peft": peft_step, "fastaf": fastaf_step, "fastaf-compiled": fastaf_compiled_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model on any device (a smoke test)")
+    ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default qlora)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences of 1024 tokens per step (default 4)")
+    args = ap.parse_args()
+    names = [n for n in args.providers.split(",") if n]
+    unknown = sorted(set(names) - set(PROVIDERS))
+    if unknown:
+        raise SystemExit(f"unknown providers {unknown}; known: {PROVIDERS}")
+    results = H.Results(args.name or ("qlora-tiny" if args.tiny else "qlora"), CASE, FIGURES)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, seq = (2, 64) if args.tiny else (args.batch, 1024)
+    vocab = 512 if args.tiny else json.loads(CONFIG.read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    case = {"model": "tiny" if args.tiny else "llama-3-8b-shape", "batch": batch, "seq": seq, "r": RANK}
+    rows, base_loss = [], None
+    for name in names:
+        qlora = "-qlora" in name
+        maker = MAKERS[name.replace("-qlora", "").replace("-bf16", "")]
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model = make_model(args.tiny, device, qlora)
+        step = maker(model, ids)
+        t0 = time.perf_counter()
+        first = step().item()
+        first_s = round(time.perf_counter() - t0, 2)
+        base_loss = first if base_loss is None else base_loss
+        if abs(first - base_loss) > 2e-2 * abs(base_loss):
+            raise SystemExit(f"{name}: first-step loss {first:.4f} is not the base's {base_loss:.4f}")
+        t = H.time_fn(step, warmup=25, rep=200) if device == "cuda" else _wall_ms(step, n=2)
+        mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
+        rows.append({"provider": name, **case, "quant": "nf4-double" if qlora else "bf16", **t, "max_mem_gib": mem,
+                     "first_step_s": first_s, "loss0": round(first, 4)})
+        print(f"{name:24s} {t['ms']:9.2f} ms  peak {mem} GiB  loss0 {first:.4f}  first step {first_s:.1f} s", flush=True)
+        del step, model
+    path = results.append(rows)
+    print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
+    by = {r["provider"]: r["ms"] for r in rows}
+    for a, b in (("fastaf-qlora", "fastaf-bf16"), ("fastaf-qlora-compiled", "fastaf-bf16-compiled"),
+                 ("fastaf-qlora", "peft-qlora"), ("peft-qlora", "peft-bf16")):
+        if a in by and b in by:
+            print(f"  {a} / {b}: {by[a] / by[b]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
