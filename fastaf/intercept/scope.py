@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .. import _config
 from .._adapter import Adapter
 from .._layouts import LinearSpec, compiled_class
-from ..ops import interpreter_stack, lora_branch
+from ..ops import check_rows, interpreter_stack, lora_branch, lora_branch_multi
 from . import carrier
 from .mode import LoRAMode, adapter_mode
 from .routes import Route, is_dtensor
@@ -136,7 +136,11 @@ class _WeightWatch:
                 f"got {type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
             )
         route.hits += 1
-        return output + lora_branch(args[0], route.lora, module.training).to(output.dtype)
+        x = args[0]
+        if self.mode.ids is None:
+            return output + lora_branch(x, route.lora, module.training).to(output.dtype)
+        ids = check_rows(self.mode.ids, x.shape[0], route.path)
+        return output + lora_branch_multi(x, route.lora, ids, module.training).to(output.dtype)
 
 
 def explicit_mode_active() -> bool:
@@ -221,16 +225,13 @@ def scoped_call(
             "an old-style autograd.Function; torch 2.11): differentiate with one eager torch.func.grad "
             "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
         )
-    if mode.branches and (compiling or adapter_ids is not None):
+    if mode.branches and compiling:
         first = mode.branches[0]
         raise NotImplementedError(
             f"fastaf: {first.path} ({type(first.module).__name__}) is a quantized linear layer ({len(mode.branches)} "
-            "in the adapter), whose LoRA is added to its output by hooks for the call: "
-            + ("torch.compile over functional_call registers no hooks inside the graph. Run functional_call "
-               "eagerly, or use the stateful layer (fastaf.init), whose hooks a compiled model keeps"
-               if compiling else
-               "adapter_ids (one adapter per example) is not supported on such layers yet. Call once per adapter, "
-               "or load the base in bf16")
+            "in the adapter), whose LoRA is added to its output by hooks for the call: torch.compile over "
+            "functional_call (or fastaf.generate's compiled decoding) registers no hooks inside the graph. Run it "
+            "eagerly, or use the stateful layer (fastaf.init), whose hooks a compiled model keeps"
         )
     if compiling:
         # tracers see the mode alone (no hooks to register inside a graph): a module's runs are not

@@ -9,6 +9,7 @@ take them as they are.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -28,3 +29,27 @@ def lora_branch(x: Tensor, lora: LoRA, training: bool) -> Tensor:
     a, b = lora.A.to(x.dtype), lora.B.to(x.dtype)
     dropped = F.dropout(x, float(lora.dropout), training) if training and lora.dropout else x
     return F.linear(F.linear(dropped, a), b) * float(lora.scale)
+
+
+def lora_branch_multi(x: Tensor, lora: LoRA, ids: Tensor, training: bool) -> Tensor:
+    """``lora_branch`` with one slot of a stack per example: example i (the rows x[i]) takes slot
+    ``ids[i]``, and nothing where ``ids[i] == -1``.
+
+    Args:
+        x: (batch, ..., K) with batch == len(ids).
+        lora: stacked, A (n, r, K), B (n, N, r) (``fastaf.stack``: one scale).
+        ids: (batch,) int in [-1, n), on any device.
+        training: draw ``lora.dropout``.
+    Returns:
+        (batch, ..., N).
+    """
+    n = ids.shape[0]
+    ids = ids.to(x.device)
+    slot = ids.clamp(min=0)
+    a = lora.A[slot].to(x.dtype)  # (batch, r, K)
+    b = lora.B[slot].to(x.dtype)  # (batch, N, r)
+    rows = x.reshape(n, -1, x.shape[-1])  # (batch, S, K)
+    dropped = F.dropout(rows, float(lora.dropout), training) if training and lora.dropout else rows
+    y = torch.bmm(torch.bmm(dropped, a.transpose(1, 2)), b.transpose(1, 2)) * float(lora.scale)  # (batch, S, N)
+    y = y * (ids >= 0).to(y.dtype)[:, None, None]
+    return y.reshape(*x.shape[:-1], y.shape[-1])

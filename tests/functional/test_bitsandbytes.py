@@ -156,3 +156,17 @@ def test_a_compiled_stateful_model_adds_the_lora_of_its_quantized_layers(saved):
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(_logits(torch.compile(inited, backend="aot_eager"), ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stack_with_adapter_ids_equals_peft_adapter_names_on_a_quantized_base(saved):
+    """Each example takes its slot's branch (none for -1): PEFT's mixed batch over the same 4-bit base."""
+    model = quantized(saved, "nf4").eval()  # PEFT takes adapter_names in eval mode only; no backward here
+    adapters = [random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=s) for s in (6, 7)]
+    ids = token_batch(batch=3)
+    pm = peft_model_with(model, {"a0": adapters[0], "a1": adapters[1]}, TARGETS, {"a0": (R, ALPHA), "a1": (R, ALPHA)})
+    pm.eval()
+    with torch.no_grad():
+        got = _logits(lambda i: fa.functional_call(model, fa.stack(adapters), (i,), adapter_ids=torch.tensor([1, -1, 0])),
+                      ids)
+        want = _logits(lambda i: pm(input_ids=i, adapter_names=["a1", "__base__", "a0"]), ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1088,16 +1088,13 @@ def test_a_quantized_linear_gets_its_lora_as_a_branch_on_its_output():
 
 
 def test_a_quantized_linear_refuses_what_it_cannot_take_by_name():
-    """Under torch.compile functional_call registers no hooks, adapter_ids have no branch yet, and a
-    packed weight cannot take W + ΔW: each says so, naming the layer, before anything runs."""
+    """Under torch.compile functional_call registers no hooks, and a packed weight cannot take W + ΔW:
+    each says so, naming the layer, before anything runs."""
     model, adapter = _packed_model()
     x = torch.randn(3, 6)
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"1 \(_PackedLinear\) is a quantized linear layer.*torch.compile"):
         torch.compile(lambda x: fa.functional_call(model, adapter, (x,)), backend="eager", fullgraph=True)(x)
-    stack = fa.stack([adapter, adapter])
-    with pytest.raises(NotImplementedError, match=r"1 \(_PackedLinear\) is a quantized.*adapter_ids"):
-        fa.functional_call(model, stack, (x,), adapter_ids=torch.tensor([0, 1, 0]))
     with pytest.raises(TypeError, match=r"1.weight \(12, 1\) has dtype torch.uint8.*quantized layer's packed weight"):
         fa.merge_into(model, adapter)
     assert torch.equal(model[1].weight, torch.zeros(12, 1, dtype=torch.uint8))

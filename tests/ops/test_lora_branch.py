@@ -36,3 +36,17 @@ def test_dropout_is_drawn_in_training_only_and_gradients_reach_the_factors():
     gA, gB = torch.autograd.grad(lora_branch(x, fa.LoRA(A, B, 0.5), training=False), (A, B), dy)
     assert_close(gA, 0.5 * (dy @ B).T @ x, torch.float64)
     assert_close(gB, 0.5 * dy.T @ (x @ A.T), torch.float64)
+
+
+def test_a_stack_with_ids_gives_each_example_its_slots_branch_and_none_for_minus_one():
+    from fastaf.ops import lora_branch_multi
+
+    g = torch.Generator().manual_seed(1)
+    stack = fa.LoRA(torch.randn(3, 2, 6, generator=g), torch.randn(3, 5, 2, generator=g), 0.5)
+    x = torch.randn(4, 7, 6, generator=g)  # 4 examples of 7 rows
+    ids = torch.tensor([2, -1, 0, 2])
+    y = lora_branch_multi(x, stack, ids, training=False)
+    assert y.shape == (4, 7, 5)
+    for i, slot in enumerate(ids.tolist()):
+        want = torch.zeros(7, 5) if slot < 0 else lora_branch(x[i], fa.LoRA(stack.A[slot], stack.B[slot], 0.5), False)
+        assert_close(y[i], want.double(), torch.float32)
