@@ -196,7 +196,7 @@ class _Registry(nn.Module):
         super().__init__()
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
-        self.active_loras: dict[str, LoRA] = {}  # cache of the active slot's LoRAs (its Parameters), by key
+        self.active_loras: dict[str, tuple] = {}  # key -> (its slot module, its LoRA): the active slot's, cached
         self.cast_loras: dict[str, tuple] = {}  # key -> (A, A's version, B, B's version, that LoRA in a half dtype)
         self.entered: dict[str, tuple[nn.Module, int]] = {}  # active adapter's module path -> (module, pre-hook id)
         self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
@@ -281,17 +281,24 @@ class _Registry(nn.Module):
 
     def active_lora(self, path: str) -> LoRA:
         """The active slot's LoRA at ``path``, from the Parameters it holds now: rebuilt when they
-        were replaced (``load_state_dict(assign=True)``, ``to_empty``), else the cached one."""
+        were replaced (``load_state_dict(assign=True)``, ``to_empty``), else the cached one (read
+        at every adapted layer of every step: the slot module is cached with it, and its
+        Parameters are compared through ``_parameters``, not ``Module.__getattr__``)."""
+        held = self.active_loras.get(path)
+        if held is not None:
+            params, lora = held
+            own = params._parameters
+            if own["A"] is lora.A and own["B"] is lora.B:
+                return lora
         params = self.adapters[self.active][path.replace(".", "__")]
-        lora = self.active_loras.get(path)
-        if lora is None or lora.A is not params.A or lora.B is not params.B:
-            if _sharded(params.A) or _sharded(params.B):
-                raise RuntimeError(
-                    f"fastaf: adapter {self.active!r} at {path}: its factors are FSDP2 shards (DTensor) here; "
-                    "FSDP2 gathers them (they belong to the root module's group) only while the whole model "
-                    "runs: call the model, not one of its submodules alone"
-                )
-            lora = self.active_loras[path] = params.lora(detach=False)
+        if _sharded(params.A) or _sharded(params.B):
+            raise RuntimeError(
+                f"fastaf: adapter {self.active!r} at {path}: its factors are FSDP2 shards (DTensor) here; "
+                "FSDP2 gathers them (they belong to the root module's group) only while the whole model "
+                "runs: call the model, not one of its submodules alone"
+            )
+        lora = params.lora(detach=False)
+        self.active_loras[path] = (params, lora)
         return lora
 
     def enter_module(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> None:
@@ -300,8 +307,9 @@ class _Registry(nn.Module):
         # hooks) cut short.
         _close_stale(self)
         stack = _open_modes()
-        if self.decodes(keys, module, args):  # no mode: leave_module adds the LoRA to the output
-            stack.append((module, _DECODE, self, keys[0]))
+        lora = self.decodes(keys, module, args)
+        if lora is not None:  # no mode: leave_module adds the LoRA to the output
+            stack.append((module, _DECODE, self, (keys[0], lora)))
             return
         if _quantized(module) and not explicit_mode_active():  # its weights are packed: a branch on its output
             stack.append((module, _BRANCH, self, keys[0]))
@@ -319,33 +327,33 @@ class _Registry(nn.Module):
             mode.__enter__()
         stack.append((module, mode, self, counts))
 
-    def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> bool:
-        """Whether this call of a plain ``nn.Linear`` runs its own forward as it is, with the LoRA
+    def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> LoRA | None:
+        """The active LoRA when this call of a plain ``nn.Linear`` runs its own forward as it is, with it
         added to its output by ``leave_module`` (exact for a linear map, PEFT's way): an eager
         decoding step (``decoding``: grad off, at most 64 rows on CUDA), or any traced call with
         grad off and no dropout drawn (a compiled decoding step). A mode per call is host time at
         every adapted layer of every step: eagerly its entry, its exit and the F.linear dispatched
         through it; compiled, the routes' counters and the mode's state, which dynamo writes back
         after every replay of the graph. Not inside ``functional_call`` (its adapter stands in),
-        nor for a weight passed for one call, nor for an input by keyword."""
+        nor for a weight passed for one call, nor for an input by keyword; else None."""
         if type(module) is not nn.Linear or len(keys) != 1 or "forward" in module.__dict__ or len(args) != 1:
-            return False
+            return None
         x, weight = args[0], module._parameters["weight"]
         if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
-            return False
+            return None
         impl = _config.flags().stateful_impl
+        if torch.compiler.is_compiling() and (torch.is_grad_enabled() or impl != "auto"):
+            return None  # a training step: the mode's op path
+        lora = self.active_lora(keys[0])
         if torch.compiler.is_compiling():
-            if torch.is_grad_enabled() or impl != "auto":  # a training step: the mode's op path
-                return False
-            inference = not (module.training and self.active_lora(keys[0]).dropout)
+            inference = not (module.training and lora.dropout)
         else:
-            inference = type(x) is torch.Tensor and decoding(x, self.active_lora(keys[0]), impl, module.training)
-        return inference and not explicit_mode_active()
+            inference = type(x) is torch.Tensor and decoding(x, lora, impl, module.training)
+        return lora if inference and not explicit_mode_active() else None
 
-    def decode_lora(self, key: str, dtype: torch.dtype) -> LoRA:
-        """The active LoRA at ``key`` with its factors in ``dtype``: fp32 masters cast once while
+    def decode_lora(self, key: str, lora: LoRA, dtype: torch.dtype) -> LoRA:
+        """The active ``lora`` at ``key`` with its factors in ``dtype``: fp32 masters cast once while
         they stay as they are (their version counters), not at every step (two launches a layer)."""
-        lora = self.active_lora(key)
         if lora.A.dtype == dtype and lora.B.dtype == dtype:
             return lora
         held = self.cast_loras.get(key)
@@ -452,9 +460,10 @@ class _Registry(nn.Module):
             if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
                 if sys.exc_info()[0] is None:
                     x, y = args[0].reshape(-1, args[0].shape[-1]), output.view(-1, output.shape[-1])  # (M, K), (M, N)
+                    key, lora = counts
                     if torch.compiler.is_compiling():  # a new output (the hook's return), factors as they are
-                        return added_lora(y, x, self.active_lora(counts)).view(output.shape)
-                    add_lora_rows(y, x, self.decode_lora(counts, x.dtype))
+                        return added_lora(y, x, lora).view(output.shape)
+                    add_lora_rows(y, x, self.decode_lora(key, lora, x.dtype))
                 return
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:
