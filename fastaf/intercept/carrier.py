@@ -28,10 +28,12 @@ last to leave puts the weight back.
 
 Used where it is exactly the mode's behaviour: eagerly (no tracer, no functorch transform
 active: one grad level is peeled off before, ``below_grad``), linear routes only (an expert
-LoRA substitutes W + ΔW into any call: the mode's job), no ``adapter_ids``, plain registered
+LoRA substitutes W + ΔW into any call: the mode's job), plain registered
 parameters (no FSDP2 DTensor, no other subclass), no ``params=`` (torch.func's swap ties weights
 by identity, which a carrier hides), no forward pre-hook in the model (one may swap a weight in,
-as FSDP2 does) and no compiled module (dynamo would trace the carrier).
+as FSDP2 does) and no compiled module (dynamo would trace the carrier). ``adapter_ids`` are read
+from the call's mode by ``use.call_op`` as in the mode's path: a mixed batch's eager decoding step
+ran every torch call of the model through the mode before.
 """
 from __future__ import annotations
 
@@ -199,7 +201,7 @@ def raw(t: Any) -> Any:
 def eligible(model: nn.Module, mode: LoRAMode, params: Mapping[str, Tensor] | None) -> bool:
     """Whether this eager call may carry its adapter on the weights instead of entering ``mode``."""
     # params=: torch.func.functional_call finds tied weights by identity, which a carrier hides
-    if params or mode.ids is not None or mode.params or interpreter_stack():
+    if params or mode.params or interpreter_stack():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False

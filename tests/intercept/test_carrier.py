@@ -63,7 +63,7 @@ class _Probe(torch.nn.Module):
         return self.inner(x)
 
 
-def test_an_eligible_eager_call_enters_no_mode_and_a_stacked_one_does():
+def test_an_eligible_eager_call_enters_no_mode_nor_does_a_stacked_one():
     lin = torch.nn.Linear(6, 5)
     model = _Probe(torch.nn.Sequential(lin), lin)
     lora = fa.LoRA(torch.randn(2, 6), torch.randn(5, 2), 0.5)
@@ -72,9 +72,13 @@ def test_an_eligible_eager_call_enters_no_mode_and_a_stacked_one_does():
     torch.testing.assert_close(got, lin(x) + 0.5 * (x @ lora.A.T) @ lora.B.T)
     assert model.seen[-1] == (0, _carrier.Carrier)
     assert type(lin.weight) is torch.nn.Parameter  # put back
-    stack = fa.stack([fa.Adapter({"inner.0": lora})] * 2)
-    fa.functional_call(model, stack, (x,), adapter_ids=torch.tensor([0, 1, -1]))
-    assert model.seen[-1] == (1, torch.nn.Parameter)  # adapter_ids: the mode's job
+    other = fa.LoRA(torch.randn(2, 6), torch.randn(5, 2), 0.5)
+    stack = fa.stack([fa.Adapter({"inner.0": lora}), fa.Adapter({"inner.0": other})])
+    got = fa.functional_call(model, stack, (x,), adapter_ids=torch.tensor([0, 1, -1]))
+    assert model.seen[-1] == (0, _carrier.Carrier)  # adapter_ids too: the op reads them from the call's mode
+    for i, lo in enumerate((lora, other, None)):  # row i with slot i, the last with none
+        want = lin(x[i]) if lo is None else lin(x[i]) + 0.5 * (x[i] @ lo.A.T) @ lo.B.T
+        torch.testing.assert_close(got[i], want)
 
 
 def test_a_raising_carried_call_puts_every_weight_back():
