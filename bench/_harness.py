@@ -5,11 +5,13 @@ provider (``time_fn``) or of all a case's providers in interleaved rounds (``tim
 A script collects one dict per provider and case and hands them to a ``Results``, which appends
 them to ``bench/results/<bench>.csv`` (and to ``$OUT/<bench>.csv`` when $OUT is set) with the
 columns ``META``, then the script's case columns, then its figures. ``ratio_table`` prints each
-provider's time over the ``base`` row of the same case.
+provider's time over the ``base`` row of the same case. ``random_llama`` builds the models the
+scripts time.
 """
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import secrets
@@ -25,6 +27,25 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 # the columns every row opens with: who measured what, where
 META = ("run", "date", "sha", "gpu", "torch", "triton", "provider")
+
+
+# ---- models --------------------------------------------------------------------------------
+
+# a 2-layer Llama for the scripts' --tiny smoke runs (hidden 64: bitsandbytes' 64-value blocks fill)
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
+
+
+def random_llama(config: Optional[Path], device: str):
+    """A ``LlamaForCausalLM`` with random bf16 weights (seed 0) on ``device``: the shape of
+    ``config`` (an HF ``config.json``, ``bench/configs/``), or ``TINY_LLAMA`` when None."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = TINY_LLAMA if config is None else {k: v for k, v in json.loads(config.read_text()).items()
+                                              if k != "model_type"}
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=2048)).to(torch.bfloat16)
 
 
 # ---- timing ----------------------------------------------------------------------------------

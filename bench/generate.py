@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import sys
 import time
@@ -51,14 +50,7 @@ BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16
 
 
 def make_model(tiny: bool, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512) if tiny else {
-        k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "model_type"}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=2048)).to(torch.bfloat16)
+    model = H.random_llama(None if tiny else CONFIG, device)
     model.generation_config.eos_token_id = None  # every provider decodes all its new tokens
     model.generation_config.pad_token_id = 0
     return model.eval().requires_grad_(False)
@@ -104,6 +96,7 @@ def stateful(model, adapter: fa.Adapter):
 def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: torch.Tensor):
     """provider -> (generate(**kw) -> output, the adapter per row for the reference or None)."""
     one, rows = adapters[0], ids.shape[0]
+    per_row = [adapters[i % len(adapters)] for i in range(rows)]  # the mixed providers' (16 adapters made for them)
     row_ids = torch.arange(rows, device=ids.device) % MIXED
     stack = fa.stack(adapters) if any("mixed" in n for n in names) else None
     need_peft = [n for n in names if n.startswith("peft")]
@@ -119,12 +112,11 @@ def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: tor
         "fastaf-static": (lambda **kw: fa.generate(model, one, ids, **static, **kw), [one] * rows),
         "fastaf-init": (lambda **kw: inited.generate(ids, **kw), [one] * rows),
         "fastaf-init-static": (lambda **kw: inited.generate(ids, **static, **kw), [one] * rows),
-        "fastaf-mixed16": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **kw),
-                           [adapters[i % MIXED] for i in range(rows)]),
+        "fastaf-mixed16": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **kw), per_row),
         "fastaf-mixed16-static": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **static, **kw),
-                                  [adapters[i % MIXED] for i in range(rows)]),
+                                  per_row),
         "peft-mixed16": (lambda **kw: pm.generate(input_ids=ids, adapter_names=[f"a{i % MIXED}" for i in range(rows)],
-                                                  **kw), [adapters[i % MIXED] for i in range(rows)]),
+                                                  **kw), per_row),
     }
     forward = {
         "fwd-base": lambda x: model(x).logits,

@@ -50,14 +50,7 @@ def make_model(tiny: bool, device: str, qlora: bool):
     """The bf16 model, or (``qlora``) the same weights with each targeted linear as an NF4
     double-quantized ``Linear4bit``, built one layer at a time so the bf16 copy never sits whole
     beside the 4-bit one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512) if tiny else {
-        k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "model_type"}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=2048)).to(torch.bfloat16)
+    model = H.random_llama(None if tiny else CONFIG, device)
     if qlora:
         for layer in model.model.layers:
             for parent in (layer.self_attn, layer.mlp):
@@ -122,7 +115,7 @@ def main() -> None:
     results = H.Results(args.name or ("qlora-tiny" if args.tiny else "qlora"), CASE, FIGURES)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, seq = (2, 64) if args.tiny else (args.batch, 1024)
-    vocab = 512 if args.tiny else json.loads(CONFIG.read_text())["vocab_size"]
+    vocab = (H.TINY_LLAMA if args.tiny else json.loads(CONFIG.read_text()))["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     case = {"model": "tiny" if args.tiny else "llama-3-8b-shape", "batch": batch, "seq": seq, "r": RANK}
     rows, base_loss = [], None
