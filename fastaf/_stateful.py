@@ -68,8 +68,9 @@ from torch import nn
 from . import _config
 from ._layouts import check_module, linear_spec
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
-from .intercept import Groups, check_lost, explicit_mode_active, link_siblings, module_mode, module_routes
-from .ops import add_lora_rows, added_lora, decoding, lora_branch
+from .intercept import (Groups, branch_output, check_lost, explicit_mode_active, link_siblings, module_mode,
+                        module_routes)
+from .ops import add_lora_rows, added_lora, decoding
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
@@ -79,18 +80,6 @@ _BRANCH = "branch"  # the same for a quantized linear, whose forward fastaf neve
 def _quantized(module: nn.Module) -> bool:
     spec = linear_spec(module)
     return spec is not None and spec.branch
-
-
-def _branch_output(module: nn.Module, args: Any, output: Any, lora: LoRA, path: str) -> torch.Tensor:
-    """A quantized linear's output plus its LoRA, from its positional input (as ``functional_call``'s
-    hooks add it)."""
-    if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-        raise ValueError(
-            f"{path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its output "
-            "from its input: it needs the input as its first positional argument and a tensor output; got "
-            f"{type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
-        )
-    return output + lora_branch(args[0], lora, module.training).to(output.dtype)
 
 
 class _LoRAParams(nn.Module):
@@ -455,7 +444,7 @@ class _Registry(nn.Module):
             _, mode, _, counts = stack.pop()
             if mode is _BRANCH:  # a quantized linear's output plus its LoRA (``ops.lora_branch``)
                 if sys.exc_info()[0] is None:
-                    return _branch_output(module, args, output, self.active_lora(counts), counts)
+                    return branch_output(counts, module, args, output, self.active_lora(counts))
                 return
             if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
                 if sys.exc_info()[0] is None:

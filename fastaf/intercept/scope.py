@@ -26,8 +26,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .. import _config
 from .._adapter import Adapter
 from .._layouts import LinearSpec, compiled_class
-from ..ops import check_rows, interpreter_stack, lora_branch, lora_branch_multi
-from . import carrier
+from ..ops import interpreter_stack
+from . import carrier, use
 from .mode import LoRAMode, adapter_mode
 from .routes import Route, is_dtensor
 
@@ -119,28 +119,17 @@ class _WeightWatch:
         if isinstance(route.spec, LinearSpec):
             self.mode.current = route
 
-
     def _enters(self, route: Route, module: nn.Module, args: Any) -> None:
         if _scopes() and _scopes()[-1] is self:
             route.calls += 1
 
     def _adds(self, route: Route, module: nn.Module, args: Any, output: Any) -> Any:
-        """A quantized layer's output plus its LoRA (``ops.lora_branch``), from its positional input."""
+        """A quantized layer's output plus its LoRA (``use.branch_output``)."""
         scopes = _scopes()
         if not scopes or scopes[-1] is not self:
             return None
-        if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
-            raise ValueError(
-                f"{route.path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its "
-                f"output from its input: it needs the input as its first positional argument and a tensor output; "
-                f"got {type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
-            )
         route.hits += 1
-        x = args[0]
-        if self.mode.ids is None:
-            return output + lora_branch(x, route.lora, module.training).to(output.dtype)
-        ids = check_rows(self.mode.ids, x.shape[0], route.path)
-        return output + lora_branch_multi(x, route.lora, ids, module.training).to(output.dtype)
+        return use.branch_output(route.path, module, args, output, route.lora, self.mode.ids)
 
 
 def explicit_mode_active() -> bool:

@@ -14,8 +14,10 @@ import torch
 from torch import Tensor
 
 from .. import _config
-from ..ops import PLAIN_TYPES, check_rows, decoding, lora_linear_decode, lora_linear_given_h, lora_linear_multi, \
-    lora_multi_decode, multi_decoding, routed_lora_linear, shareable, shared_h_fanned
+from .._adapter import LoRA
+from ..ops import PLAIN_TYPES, check_rows, decoding, lora_branch, lora_branch_multi, lora_linear_decode, \
+    lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, shareable, \
+    shared_h_fanned
 
 
 def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -89,3 +91,19 @@ def _shared_h(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, Tensor | None, 
     hs, tokens = shared_h_fanned(x, loras, fanned, impl=mode.impl)
     mode.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
     return hs[0], tokens[0], weights[0]
+
+
+def branch_output(path: str, module: Any, args: tuple, output: Any, lora: LoRA, ids: Any = None) -> Tensor:
+    """A quantized layer's ``output`` plus its LoRA (``ops.lora_branch``) from its positional input
+    ``args[0]``: what the per-call hooks of ``functional_call`` and the stateful layer's hooks
+    return. ``ids``: the call's adapter_ids (a stacked ``lora``), or None."""
+    if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+        raise ValueError(
+            f"{path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its output "
+            "from its input: it needs the input as its first positional argument and a tensor output; got "
+            f"{type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
+        )
+    x = args[0]
+    if ids is None:
+        return output + lora_branch(x, lora, module.training).to(output.dtype)
+    return output + lora_branch_multi(x, lora, check_rows(ids, x.shape[0], path), module.training).to(output.dtype)

@@ -5,8 +5,8 @@ split over K (``_decode_shrink_kernel``, partial h per split, no memset) and an 
 the partials (``_decode_expand_kernel``). At a decoding step's few rows each launch costs mostly
 its fixed latency, and inside a CUDA graph (a compiled decoding step) nothing else: cuBLAS's
 ``mm`` + ``addmm_`` take two launches too, but their shrink runs K serially in few programs
-(H200, 32 rows, per layer over the base GEMM: 8.0 us at K = 2048 and 9.6 at 8192 for cuBLAS,
-6.0 and 6.4 for a split shrink and an expand), and an unfused graph three (two GEMMs and an add).
+(``bench/decode.py``, H200, 32 rows, per layer over the base GEMM: 8.1 us at K = 2048 and 7.8 at
+8192 for cuBLAS, 5.1 and 6.9 for these kernels), and an unfused graph three (two GEMMs and an add).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.

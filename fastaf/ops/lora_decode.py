@@ -56,8 +56,9 @@ def _kernels():
 
 
 def _add_impl(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """``reference_add`` as one Triton launch where the kernel runs (CUDA, or TRITON_INTERPRET=1),
-    else the reference. A fresh (M, N) output: inside a compiled graph y may be read again."""
+    """``reference_add`` as the decode kernels' two launches where they run (CUDA, or
+    TRITON_INTERPRET=1), else the reference. A fresh (M, N) output: inside a compiled graph y may
+    be read again."""
     kernels = _kernels()
     if kernels.supported(x, a, b):
         return kernels.add_lora(y, x, a, b, scale, out=torch.empty_like(y))
@@ -86,7 +87,7 @@ def decoding(x: Tensor, lora: LoRA, impl: str, training: bool) -> bool:
 
 
 def _use_kernel(x: Tensor, lora: LoRA, impl: str) -> bool:
-    """The one-launch kernel for this call of at most ``DECODE_ROWS`` rows (M, K): the flag on,
+    """The decode kernels for this call of at most ``DECODE_ROWS`` rows (M, K): the flag on,
     impl not "addmm" (cuBLAS asked for), a CUDA tensor the kernels take at a shape where they beat
     cuBLAS (``wins``). CPU tensors take the torch form (tests run the kernels themselves under the
     interpreter)."""
@@ -100,7 +101,7 @@ def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
     own output this way). cuBLAS's ``mm`` and ``addmm_``: eagerly a step is host-bound, and two
     cuBLAS calls cost less host time than the decode kernels' launches (H200, 1B shape, 32 x 64
     tokens: ``fa.generate`` 1.10 s against 1.21 with the kernels, the stateful layer 1.17 against
-    1.34). Returns y."""
+    1.34; ``bench/results/generate-decode-ab.csv``). Returns y."""
     h = torch.mm(x, _as_dtype(lora.A, x.dtype).T)  # (M, R)
     return y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
 

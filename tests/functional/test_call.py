@@ -1097,4 +1097,15 @@ def test_a_quantized_linear_refuses_what_it_cannot_take_by_name():
         torch.compile(lambda x: fa.functional_call(model, adapter, (x,)), backend="eager", fullgraph=True)(x)
     with pytest.raises(TypeError, match=r"1.weight \(12, 1\) has dtype torch.uint8.*quantized layer's packed weight"):
         fa.merge_into(model, adapter)
+
+    class ByKeyword(torch.nn.Module):  # the branch is added from the layer's positional input
+        def __init__(self):
+            super().__init__()
+            self.inner = model[1]
+
+        def forward(self, x):
+            return self.inner(x=x)
+
+    with pytest.raises(ValueError, match=r"inner \(_PackedLinear\) is a quantized linear layer.*first positional"):
+        fa.functional_call(ByKeyword(), fa.Adapter({"inner": adapter["1"]}), (x,))
     assert torch.equal(model[1].weight, torch.zeros(12, 1, dtype=torch.uint8))
