@@ -319,7 +319,7 @@ class _Registry(nn.Module):
     def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> LoRA | None:
         """The active LoRA when this call of a plain ``nn.Linear`` runs its own forward as it is, with it
         added to its output by ``leave_module`` (exact for a linear map, PEFT's way): an eager
-        decoding step (``decoding``: grad off, at most 64 rows on CUDA), or any traced call with
+        inference call (``decoding``: grad off, at most 1024 rows on CUDA), or any traced call with
         grad off and no dropout drawn (a compiled decoding step). A mode per call is host time at
         every adapted layer of every step: eagerly its entry, its exit and the F.linear dispatched
         through it; compiled, the routes' counters and the mode's state, which dynamo writes back
