@@ -11,9 +11,12 @@ Providers, each a full step (forward, loss, backward, optimizer step):
 - peft-bf16 / peft-qlora: PEFT with bf16 adapters over the bf16 / the 4-bit base;
 - fastaf-bf16 / fastaf-qlora: ``fa.functional_call`` with the adapter's leaves requiring grad,
   ``loss.backward()`` and AdamW;
-- fastaf-bf16-compiled / fastaf-qlora-compiled: the stateful layer (``fa.init``) under
-  ``torch.compile(model)``, ``loss.backward()`` and AdamW (``torch.compile`` over
-  ``functional_call`` refuses quantized layers: README, QLoRA).
+- fastaf-bf16-compiled / fastaf-qlora-compiled: the loss over ``fa.functional_call`` under
+  ``torch.compile(fullgraph=True)`` (``bench/e2e.py``'s ``fastaf-autograd-compiled``),
+  ``loss.backward()`` and AdamW;
+- fastaf-qlora-branch / fastaf-qlora-compiled-branch (extra, for the A/B): as their names without
+  ``-branch`` with ``FASTAF_DEQUANT=0``: each 4-bit layer runs bitsandbytes' forward and the LoRA
+  is added as a branch, instead of the dequantization inside fastaf's op.
 Each provider builds its own model and frees it after, so ``max_mem_gib`` is its own peak (CUDA
 memory allocated, model included); ``ms`` is ``do_bench``'s median over its steps. The first
 step's loss is checked against the bf16 base's (every adapter starts with B = 0; a 4-bit base
@@ -34,14 +37,18 @@ import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _harness as H  # noqa: E402
-from bench.e2e import _autograd_step, _wall_ms  # noqa: E402
+from bench.e2e import _autograd_step, _wall_ms, fastaf_autograd_step  # noqa: E402
 
 import fastaf as fa  # noqa: E402
+from fastaf import _config  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b-shape.json"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 PROVIDERS = ["peft-bf16", "peft-qlora", "fastaf-bf16", "fastaf-qlora", "fastaf-bf16-compiled", "fastaf-qlora-compiled"]
+# the 4-bit layers as their own forward plus the LoRA as a branch (FASTAF_DEQUANT=0): the path
+# before fastaf dequantized inside its op, for the A/B
+EXTRA = ["fastaf-qlora-branch", "fastaf-qlora-compiled-branch"]
 CASE = ("model", "batch", "seq", "r", "quant")
 FIGURES = ("ms", "p20", "p80", "max_mem_gib", "first_step_s", "loss0")
 
@@ -89,12 +96,9 @@ def fastaf_step(model, ids):
 
 
 def fastaf_compiled_step(model, ids):
-    fa.init(model)
-    model.add_new_adapter("a", fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS), seed=0)
-    model.set_active_adapter("a")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    run = torch.compile(model)
-    return _autograd_step(lambda: run(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
+    """``bench/e2e.py``'s ``fastaf-autograd-compiled``: the loss over ``functional_call`` under
+    ``torch.compile(fullgraph=True)``, its backward AOTAutograd's graph, then AdamW."""
+    return fastaf_autograd_step(model, ids, compiled=True)
 
 
 MAKERS = {"peft": peft_step, "fastaf": fastaf_step, "fastaf-compiled": fastaf_compiled_step}
@@ -109,9 +113,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences of 1024 tokens per step (default 4)")
     args = ap.parse_args()
     names = [n for n in args.providers.split(",") if n]
-    unknown = sorted(set(names) - set(PROVIDERS))
+    unknown = sorted(set(names) - set(PROVIDERS + EXTRA))
     if unknown:
-        raise SystemExit(f"unknown providers {unknown}; known: {PROVIDERS}")
+        raise SystemExit(f"unknown providers {unknown}; known: {PROVIDERS + EXTRA}")
     results = H.Results(args.name or ("qlora-tiny" if args.tiny else "qlora"), CASE, FIGURES)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, seq = (2, 64) if args.tiny else (args.batch, 1024)
@@ -121,7 +125,9 @@ def main() -> None:
     rows, base_loss = [], None
     for name in names:
         qlora = "-qlora" in name
-        maker = MAKERS[name.replace("-qlora", "").replace("-bf16", "")]
+        maker = MAKERS[name.replace("-qlora", "").replace("-bf16", "").replace("-branch", "")]
+        flags = _config.override(dequant=not name.endswith("-branch"))
+        flags.__enter__()
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -134,17 +140,19 @@ def main() -> None:
         base_loss = first if base_loss is None else base_loss
         if abs(first - base_loss) > 2e-2 * abs(base_loss):
             raise SystemExit(f"{name}: first-step loss {first:.4f} is not the base's {base_loss:.4f}")
-        t = H.time_fn(step, warmup=25, rep=200) if device == "cuda" else _wall_ms(step, n=2)
+        t = H.time_fn(step, warmup=1000, rep=3000) if device == "cuda" else _wall_ms(step, n=2)  # ~10 steps of ~0.3 s
         mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
         rows.append({"provider": name, **case, "quant": "nf4-double" if qlora else "bf16", **t, "max_mem_gib": mem,
                      "first_step_s": first_s, "loss0": round(first, 4)})
-        print(f"{name:24s} {t['ms']:9.2f} ms  peak {mem} GiB  loss0 {first:.4f}  first step {first_s:.1f} s", flush=True)
+        print(f"{name:28s} {t['ms']:9.2f} ms  peak {mem} GiB  loss0 {first:.4f}  first step {first_s:.1f} s", flush=True)
+        path = results.append(rows[-1:])  # row by row: a run cut short keeps what it measured
         del step, model
-    path = results.append(rows)
+        flags.__exit__(None, None, None)
     print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
     by = {r["provider"]: r["ms"] for r in rows}
     for a, b in (("fastaf-qlora", "fastaf-bf16"), ("fastaf-qlora-compiled", "fastaf-bf16-compiled"),
-                 ("fastaf-qlora", "peft-qlora"), ("peft-qlora", "peft-bf16")):
+                 ("fastaf-qlora", "peft-qlora"), ("peft-qlora", "peft-bf16"), ("fastaf-qlora", "fastaf-qlora-branch"),
+                 ("fastaf-qlora-compiled", "fastaf-qlora-compiled-branch")):
         if a in by and b in by:
             print(f"  {a} / {b}: {by[a] / by[b]:.3f}")
 

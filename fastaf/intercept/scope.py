@@ -65,6 +65,78 @@ def _scopes() -> list[_WeightWatch]:
     return _local.scopes
 
 
+class Forwards:
+    """For one call, an instance ``forward`` on modules the call must see run, set where
+    ``nn.Module.__call__`` finds it (``module.__dict__``) and put back on exit.
+
+    A quantized layer (``mode.branches``) runs ``use.quantized_call``: its own forward plus the
+    LoRA, or fastaf's op that dequantizes its weight. With ``counted`` (a call traced by
+    ``torch.compile``, where no hook can be registered), every other targeted module counts its
+    runs too, so a module whose weight met no rule (a forward reading ``weight.data``) is the
+    same error at trace time as eagerly. Dynamo traces an instance ``forward`` set inside the
+    graph (hooks registered there break it). ``active``: whether a call of the forward belongs to
+    this call (eagerly, the innermost call of the running thread); others run the module as it
+    was.
+    """
+
+    def __init__(self, mode: LoRAMode, *, counted: bool, active: Any = None) -> None:
+        self.mode, self.active = mode, active
+        by_module: dict[int, list[Route]] = {}
+        for route in (*mode.routes.values(), *mode.params.values()) if counted else ():
+            by_module.setdefault(id(route.module), []).append(route)
+        self.counted = [routes for routes in by_module.values()
+                        if not any(r.module is b.module for b in mode.branches for r in routes)]
+        self.installed: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> Forwards:
+        for route in self.mode.branches:
+            self._install(route.module, functools.partial(self._quantized, route))
+        for routes in self.counted:
+            self._install(routes[0].module, functools.partial(self._counting, routes))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, before in reversed(self.installed):
+            if before is _NONE:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = before
+        self.installed.clear()
+
+    def _install(self, module: nn.Module, make: Any) -> None:
+        before = module.__dict__.get("forward", _NONE)
+        module.__dict__["forward"] = make(module.forward, before is _NONE)  # no __setattr__: not a submodule
+        self.installed.append((module, before))
+
+    def _quantized(self, route: Route, forward: Any, own: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.active is not None and not self.active():
+                return forward(*args, **kwargs)
+            route.calls += 1
+            route.hits += 1
+            if not torch.compiler.is_compiling():
+                return use.quantized_call(route.path, route.module, forward, args, kwargs, route.lora, self.mode.ids,
+                                          self.mode.impl, own)
+            # traced, with torch functions off: dynamo recursed without end on bitsandbytes' weight
+            # class (its __torch_function__ defers to the mode's, which calls it again); nothing
+            # in the layer is the mode's to adapt
+            with torch._C.DisableTorchFunction():
+                return use.quantized_call(route.path, route.module, forward, args, kwargs, route.lora, self.mode.ids,
+                                          self.mode.impl, own)
+        return run
+
+    @staticmethod
+    def _counting(routes: list[Route], forward: Any, own: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            for route in routes:
+                route.calls += 1
+            return forward(*args, **kwargs)
+        return run
+
+
+_NONE = object()  # no instance forward before the call
+
+
 class _WeightWatch:
     """Per-call pre-hooks on each targeted module, for an eager ``functional_call``'s mode.
 
@@ -83,15 +155,15 @@ class _WeightWatch:
         # without hooks only the scope is kept: a carried call's weights count their own uses
         self.hooks = hooks
         self.handles: list[Any] = []
+        self.forwards = Forwards(mode, counted=False, active=self._mine)
 
     def __enter__(self) -> _WeightWatch:
         try:
             for route in self.mode.all_routes() if self.hooks else ():
                 if not route.branch:
                     self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._starts, route)))
-            for route in self.mode.branches:  # carried or not: nothing else adapts a quantized layer
-                self.handles.append(route.module.register_forward_pre_hook(functools.partial(self._enters, route)))
-                self.handles.append(route.module.register_forward_hook(functools.partial(self._adds, route)))
+            # carried or not: nothing else adapts a quantized layer
+            self.forwards.__enter__()
         except BaseException:
             self._remove()
             raise
@@ -106,6 +178,12 @@ class _WeightWatch:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.forwards.__exit__()
+
+    def _mine(self) -> bool:
+        """Whether this thread's innermost call is this one (a quantized layer's forward acts then)."""
+        scopes = _scopes()
+        return bool(scopes) and scopes[-1] is self
 
     def _starts(self, route: Route, module: nn.Module, args: Any) -> None:
         scopes = _scopes()
@@ -119,17 +197,6 @@ class _WeightWatch:
         if isinstance(route.spec, LinearSpec):
             self.mode.current = route
 
-    def _enters(self, route: Route, module: nn.Module, args: Any) -> None:
-        if _scopes() and _scopes()[-1] is self:
-            route.calls += 1
-
-    def _adds(self, route: Route, module: nn.Module, args: Any, output: Any) -> Any:
-        """A quantized layer's output plus its LoRA (``use.branch_output``)."""
-        scopes = _scopes()
-        if not scopes or scopes[-1] is not self:
-            return None
-        route.hits += 1
-        return use.branch_output(route.path, module, args, output, route.lora, self.mode.ids)
 
 
 def explicit_mode_active() -> bool:
@@ -214,20 +281,16 @@ def scoped_call(
             "an old-style autograd.Function; torch 2.11): differentiate with one eager torch.func.grad "
             "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
         )
-    if mode.branches and compiling:
-        first = mode.branches[0]
-        raise NotImplementedError(
-            f"fastaf: {first.path} ({type(first.module).__name__}) is a quantized linear layer ({len(mode.branches)} "
-            "in the adapter), whose LoRA is added to its output by hooks for the call: torch.compile over "
-            "functional_call (or fastaf.generate's compiled decoding) registers no hooks inside the graph. Run it "
-            "eagerly, or use the stateful layer (fastaf.init), whose hooks a compiled model keeps"
-        )
     if compiling:
-        # tracers see the mode alone (no hooks to register inside a graph): a module's runs are not
-        # counted, so a module that loses its LoRA is seen eagerly (and by the stateful layer's
-        # hooks, which a compiled model keeps), not here
-        with mode:
-            return run()
+        # tracers see the mode and instance forwards (no hooks can be registered inside a graph):
+        # the forwards run quantized layers and count the other modules' runs, so a module that
+        # lost its LoRA is the same error at trace time as eagerly
+        with mode, Forwards(mode, counted=True):
+            out = run()
+        lost = lost_message(routes, "fastaf.functional_call")
+        if lost is not None:
+            _raise_traced(lost)
+        return out
     try:
         if carry and _config.flags().carry and carrier.eligible(model, mode, params):
             # only calls that receive an adapted weight reach Python, not every torch call of the model
@@ -324,17 +387,40 @@ _UNADAPTED = (", but used its weight in a way fastaf does not adapt (it adapts F
               "Merge it instead: fastaf.functional_call(model, None, args, params=fastaf.merge_into(model, adapter))")
 
 
-def check_lost(routes: list[Route], caller: str) -> None:
-    """Raise for modules that ran with their LoRA unapplied (their weight used only in ways not
-    adapted: a bitsandbytes ``Linear4bit``, a forward reading ``weight.data``), or applied only
-    where no gradient reaches it. Every entry point checks this after the modules ran: ``caller``
-    names it (``functional_call``, ``generate``, the stateful layer's forward)."""
+def lost_message(routes: list[Route], caller: str) -> str | None:
+    """What ``check_lost`` raises for ``routes``, or None."""
     for count, what, why in (("gradless", "used its weight {} time(s)", _GRADLESS),
                              ("calls", "ran {} time(s)", _UNADAPTED)):
         lost = [r for r in routes if r.hits == 0 and getattr(r, count) > 0]
         if lost:
-            raise ValueError(f"{caller}: " + "; ".join(
-                f"{r.path} ({type(r.module).__name__}) {what.format(getattr(r, count))}" for r in lost[:5]) + why)
+            return f"{caller}: " + "; ".join(
+                f"{r.path} ({type(r.module).__name__}) {what.format(getattr(r, count))}" for r in lost[:5]) + why
+    return None
+
+
+def check_lost(routes: list[Route], caller: str) -> None:
+    """Raise for modules that ran with their LoRA unapplied (their weight used only in ways not
+    adapted: a forward reading ``weight.data``), or applied only where no gradient reaches it.
+    Every entry point checks this after the modules ran: ``caller`` names it (``functional_call``,
+    ``generate``, the stateful layer's forward)."""
+    message = lost_message(routes, caller)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _raise_lost(message: str) -> None:
+    raise ValueError(message)
+
+
+# Raised from the trace, the error would be dynamo's to handle: an "observed exception" that
+# falls back to running the frames eagerly, beneath a compiled region that then traces the
+# model's frames again without the counts (the LoRA silently lost). Called as a function dynamo
+# does not trace, it is raised when the graph runs: without fullgraph, the same ValueError as
+# eagerly; with fullgraph=True, dynamo refuses the call and shows this reason.
+_raise_traced = torch.compiler.disable(
+    _raise_lost, reason="fastaf.functional_call: a targeted module ran without its LoRA (its forward uses the weight "
+                        "in a way fastaf does not adapt, such as weight.data); compiled without fullgraph=True, or "
+                        "run eagerly, the call raises a ValueError naming the module, its class and the fix")
 
 
 def _check_applied(model: nn.Module, routes: list[Route], warn_unused: bool) -> None:

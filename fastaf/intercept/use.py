@@ -15,9 +15,10 @@ from torch import Tensor
 
 from .. import _config
 from .._adapter import LoRA
-from ..ops import PLAIN_TYPES, check_rows, decoding, lora_branch, lora_branch_multi, lora_linear_decode, \
-    lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, shareable, \
-    shared_h_fanned
+from ..ops import PLAIN_TYPES, check_rows, decoding, lora_branch, lora_branch_multi, \
+    lora_linear_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, \
+    shareable, shared_h_fanned, transform_levels
+from ..ops.lora_dequant import Layout4bit, Packed4bit, lora_linear_4bit
 
 
 def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -107,3 +108,51 @@ def branch_output(path: str, module: Any, args: tuple, output: Any, lora: LoRA, 
     if ids is None:
         return output + lora_branch(x, lora, module.training).to(output.dtype)
     return output + lora_branch_multi(x, lora, check_rows(ids, x.shape[0], path), module.training).to(output.dtype)
+
+
+def packed_4bit(module: Any) -> Packed4bit | None:
+    """A bitsandbytes ``Linear4bit``'s weight as ``ops.lora_dequant`` takes it (NF4 or FP4, double
+    quantization or not), or None for any other module (read by its attributes: bitsandbytes is
+    not imported). Its quantization state is the weight's, or the module's where the weight lost it
+    (FSDP; bitsandbytes' forward restores it from there too); a weight repacked for the CPU's
+    AVX512 path (bitsandbytes does that in eval mode) is not the layout the op reads."""
+    weight = module._parameters.get("weight")
+    state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
+    if weight is None or state is None or getattr(state, "quant_type", None) not in ("nf4", "fp4") \
+            or getattr(state, "packing_format_for_cpu", False) or weight.dtype != torch.uint8:
+        return None
+    nested = bool(getattr(state, "nested", False))
+    layout = Layout4bit(int(state.blocksize), state.quant_type, tuple(state.shape), state.dtype,
+                        int(state.state2.blocksize) if nested else 0)
+    if nested:
+        offset = state.offset if isinstance(state.offset, Tensor) else torch.tensor(float(state.offset))
+        return Packed4bit(layout, weight, state.absmax, state.state2.absmax, state.state2.code, offset.to(weight.device))
+    return Packed4bit(layout, weight, state.absmax)
+
+
+def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: dict, lora: LoRA, ids: Any,
+                   impl: str, own: bool) -> Tensor:
+    """A quantized layer's call with its LoRA: ``forward(*args, **kwargs)`` (the module's own) plus
+    the LoRA (``branch_output``), or, for a bitsandbytes 4-bit layer that fastaf dequantizes itself
+    (``packed_4bit``), ``ops.lora_linear_4bit``: the dequantization inside fastaf's fused op, the
+    dense weight never kept (``FASTAF_DEQUANT``). That takes a training call (grad on) of one LoRA
+    with the input alone, the module's own forward (``own``: not one set on the instance, such as
+    accelerate's hooks) and no vmap level (the op has no vmap rule); inference keeps bitsandbytes'
+    forward, whose few-row kernel reads the packed weight directly."""
+    vmaps, derivatives = transform_levels()
+    packed = packed_4bit(module) if own and _config.flags().dequant else None
+    if (packed is not None and ids is None and not lora.stacked and torch.is_grad_enabled() and len(args) == 1
+            and not kwargs and isinstance(args[0], Tensor) and not vmaps):
+        x = args[0]
+        dtype = getattr(module, "compute_dtype", None) or x.dtype  # bitsandbytes computes in it
+        bias = module.bias if module.bias is None else module.bias.to(dtype)
+        y = lora_linear_4bit(x.to(dtype), packed, bias, lora, impl=impl, training=module.training, where=path)
+        return y.to(x.dtype)
+    if torch.compiler.is_compiling() and (vmaps or derivatives):
+        raise NotImplementedError(
+            f"{path} ({type(module).__name__}) is a quantized layer that runs its own forward, its LoRA added to the "
+            "output, and torch.func transforms inside torch.compile cannot trace that forward (bitsandbytes reads "
+            "its weight's storage). Compile the call with plain autograd (loss.backward()), or run torch.func "
+            "eagerly"
+        )
+    return branch_output(path, module, args, forward(*args, **kwargs), lora, ids)

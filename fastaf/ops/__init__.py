@@ -9,7 +9,7 @@ they share, the only code that touches functorch's C API; see README.md beside t
 from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_level, differentiated_around,
                       entered_in_grad_mode, get_unwrapped, grad_mode_beneath, interpreter_stack, is_wrapped, level_left,
                       level_token, maybe_level, noted, peek_interpreter, pop_layer, push_layer, single_level_allowed,
-                      tracked_scope, unwrap_for_grad, wrap_for_grad)
+                      tracked_scope, transform_levels, unwrap_for_grad, wrap_for_grad)
 from .lora_branch import lora_branch, lora_branch_multi
 from .lora_group import group_fits, group_kernels_apply, lora_group
 from .lora_decode import (DECODE_ROWS, add_lora_rows, added_lora, decoding, lora_linear_decode, lora_multi_decode,

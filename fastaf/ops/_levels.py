@@ -113,6 +113,15 @@ def _traced_levels() -> tuple[int, int]:
     return sum(i.key() == _VMAP for i in stack), sum(i.key() in (GRAD, _JVP) for i in stack)
 
 
+def transform_levels() -> tuple[int, int]:
+    """(vmap levels, derivative levels) around the caller: eagerly the interpreter stack's, under
+    ``torch.compile`` the traced function's (``_traced_levels``)."""
+    if torch.compiler.is_compiling():
+        return _traced_levels()
+    stack = _functorch.get_interpreter_stack() or ()
+    return sum(i.key() == _VMAP for i in stack), sum(i.key() in (GRAD, _JVP) for i in stack)
+
+
 def _higher_order_traced() -> bool:
     """Two or more derivative levels (grad of grad, jvp of grad) inside ``torch.compile``.
 

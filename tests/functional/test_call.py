@@ -751,6 +751,40 @@ def test_a_module_that_runs_without_its_lora_is_an_error_and_one_that_never_runs
         fa.functional_call(model, random_adapter(model, ["plain", "unused"]), (x,))
 
 
+class _WeightDataLinear(torch.nn.Linear):
+    """A linear layer whose forward reads ``weight.data``: its LoRA cannot reach it."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.data, self.bias)
+
+
+@pytest.mark.parametrize("inner", ["data", "detach"])
+def test_a_compiled_call_whose_module_loses_its_lora_is_the_same_error(inner):
+    """Under torch.compile no hook can count a module's runs: instance forwards set inside the
+    trace do, and the call raises eagerly's ValueError when the graph runs (with fullgraph=True
+    dynamo refuses the raising call, giving its reason). The model is left as it was."""
+    model = _Tiny(_WeightDataLinear(6, 5) if inner == "data" else _DetachedLinear(6, 5))
+    snap = snapshot(model)
+    x = torch.randn(3, 6)
+    ad = random_adapter(model, ["inner", "plain"])
+    name = type(model.inner).__name__
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=rf"fastaf.functional_call: inner \({name}\) ran 1 time\(s\).*silently lost"):
+        torch.compile(lambda a: fa.functional_call(model, a, (x,)), backend="aot_eager")(ad)
+    assert_unchanged(model, snap)
+    assert "forward" not in model.inner.__dict__ and "forward" not in model.plain.__dict__
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"a targeted module ran without its LoRA.*ValueError naming the module"):
+        torch.compile(lambda a: fa.functional_call(model, a, (x,)), backend="aot_eager", fullgraph=True)(ad)
+    assert "forward" not in model.inner.__dict__
+    # a model whose every module takes its LoRA compiles with fullgraph and equals eager
+    torch._dynamo.reset()
+    fine = _Tiny(torch.nn.Linear(6, 5))
+    ad = random_adapter(fine, ["inner", "plain"])
+    got = torch.compile(lambda a: fa.functional_call(fine, a, (x,)), backend="aot_eager", fullgraph=True)(ad)
+    torch.testing.assert_close(got, fa.functional_call(fine, ad, (x,)))
+
+
 def test_every_transpose_of_the_weight_is_adapted():
     w, x = torch.nn.Linear(6, 6), torch.randn(2, 3, 6)  # square: a transpose keeps the shape
     ad = fa.Adapter({"": fa.LoRA(torch.randn(2, 6), torch.randn(6, 2), 0.5)})
@@ -1088,13 +1122,15 @@ def test_a_quantized_linear_gets_its_lora_as_a_branch_on_its_output():
 
 
 def test_a_quantized_linear_refuses_what_it_cannot_take_by_name():
-    """Under torch.compile functional_call registers no hooks, and a packed weight cannot take W + ΔW:
-    each says so, naming the layer, before anything runs."""
+    """A packed weight cannot take W + ΔW, nor a branch an input passed by keyword: each says so,
+    naming the layer, before anything runs. Under torch.compile (fullgraph) the branch is added
+    by an instance forward set inside the trace, as eagerly."""
     model, adapter = _packed_model()
     x = torch.randn(3, 6)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"1 \(_PackedLinear\) is a quantized linear layer.*torch.compile"):
-        torch.compile(lambda x: fa.functional_call(model, adapter, (x,)), backend="eager", fullgraph=True)(x)
+    got = torch.compile(lambda x: fa.functional_call(model, adapter, (x,)), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, fa.functional_call(model, adapter, (x,)))
+    assert "forward" not in model[1].__dict__
     with pytest.raises(TypeError, match=r"1.weight \(12, 1\) has dtype torch.uint8.*quantized layer's packed weight"):
         fa.merge_into(model, adapter)
 
