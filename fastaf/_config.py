@@ -25,6 +25,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``launch_graphs`` | ``FASTAF_LAUNCH_GRAPHS`` | on | eager launches of a repeated call replayed from a CUDA graph |
 | ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | a compiled decoding step's LoRA (at most 64 rows, grad off) as two Triton launches; off: plain ops |
 | ``dequant`` | ``FASTAF_DEQUANT`` | on | a training call of a bitsandbytes 4-bit layer under ``functional_call`` dequantizes its weight inside fastaf's fused op (``ops.lora_dequant``); off: the layer's own forward plus the LoRA as a branch |
+| ``dequant_kernel`` | ``FASTAF_DEQUANT_KERNEL`` | on | that dequantization as fastaf's one-launch Triton kernel on CUDA; off: bitsandbytes' ops (two launches under double quantization) |
 
 ``FASTAF_CACHE_DIR`` (where ``fastaf-tune`` writes its cache) is a path, not a switch, and is read
 where the cache is opened, so a test's ``monkeypatch.setenv`` reaches it.
@@ -60,6 +61,7 @@ class Flags:
     launch_graphs: bool = True
     decode_kernel: bool = True
     dequant: bool = True
+    dequant_kernel: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

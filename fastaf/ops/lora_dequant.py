@@ -62,39 +62,82 @@ class Packed4bit:
         return self.packed, self.absmax, self.absmax2, self.code2, self.offset
 
 
-_scratch = threading.local()  # per thread: (device, dtype, numel) -> one dense buffer
+_buffers: dict[tuple, Tensor] = {}  # (device, dtype, stream) -> one flat buffer, grown to the largest weight
+_buffer_lock = threading.Lock()  # held from a dequantization into a buffer until its reader is enqueued
 
 
 def _buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
-    """A reused (N, K) buffer for an eager CUDA dequantization, or None (allocate): on the CPU, under a
-    tracer (the compiler plans its own memory) and inside a CUDA-graph capture (a replay must not
-    share it with eager calls). One per thread: autograd runs a CUDA backward on its own thread."""
+    """A reused (N, K) view of the one buffer of this device, dtype and stream, or None (allocate):
+    on the CPU, under a tracer (the compiler plans its own memory) and inside a CUDA-graph capture
+    (a replay must not share it with eager calls). One buffer, not one per shape: at any moment one
+    dense weight is alive, as where each layer allocates its own (bitsandbytes' path, whose peak
+    memory this matches); the forward and autograd's backward thread take turns on it (the lock,
+    and the stream orders the kernels)."""
     if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return None
-    store = getattr(_scratch, "buffers", None)
-    if store is None:
-        store = _scratch.buffers = {}
+    key = (device, dtype, torch.cuda.current_stream(device).stream_id)
     numel = shape[0] * shape[1]
-    key = (device, dtype, numel)
-    buf = store.get(key)
-    if buf is None:
-        buf = store[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf.view(shape)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def _kernel():
+    """``fastaf.kernels.dequant_4bit``, imported on first use (triton loads with it)."""
+    from ..kernels import dequant_4bit
+
+    return dequant_4bit
+
+
+def _dequant_kernel_impl(packed: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
+                         offset: Optional[Tensor], quant_type: str, blocksize: int, nested_blocksize: int,
+                         shape: list[int], dtype: torch.dtype) -> Tensor:
+    """``fastaf::dequant_4bit``: the kernel into a new tensor (the op a trace records)."""
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    return _kernel().dequant_4bit(packed, absmax, absmax2, code2, offset, quant_type, blocksize, nested_blocksize, out)
+
+
+dequant_4bit_op = torch.library.custom_op("fastaf::dequant_4bit", mutates_args=())(_dequant_kernel_impl)
+
+
+@dequant_4bit_op.register_fake
+def _(packed, absmax, absmax2, code2, offset, quant_type, blocksize, nested_blocksize, shape, dtype):
+    return packed.new_empty(shape, dtype=dtype)
 
 
 def dequantize(layout: Layout4bit, packed: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
                code2: Optional[Tensor], offset: Optional[Tensor], *, reuse: bool = False) -> Tensor:
-    """The dense (N, K) weight in ``layout.dtype``; ``reuse``: into the shape's shared buffer (the
-    result is valid until the next dequantization of that shape on this thread)."""
+    """The dense (N, K) weight in ``layout.dtype``: fastaf's one-launch kernel on CUDA (or
+    interpreted), else bitsandbytes' ops. ``reuse``: into the shared buffer (valid until the next
+    dequantization on this device and stream: hold ``_buffer_lock`` until its reader is enqueued)."""
+    shape = list(layout.shape)
+    if layout.shape[0] * layout.shape[1] % 2 == 0 and _kernel_ok(packed, layout):
+        if not _direct_ok(packed, absmax, absmax2, code2, offset):  # traced: the registered op
+            return torch.ops.fastaf.dequant_4bit(packed, absmax, absmax2, code2, offset, layout.quant_type,
+                                                 layout.blocksize, layout.nested_blocksize, shape, layout.dtype)
+        buf = _buffer(layout.shape, layout.dtype, packed.device) if reuse else None
+        out = torch.empty(layout.shape, dtype=layout.dtype, device=packed.device) if buf is None else buf
+        return _kernel().dequant_4bit(packed, absmax, absmax2, code2, offset, layout.quant_type, layout.blocksize,
+                                      layout.nested_blocksize, out)
     if layout.nested_blocksize:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, absmax2, code2, layout.nested_blocksize,
                                                              torch.float32) + offset
     buf = _buffer(layout.shape, layout.dtype, packed.device) if reuse else None
-    args = (packed, absmax, layout.blocksize, layout.quant_type, list(layout.shape), layout.dtype)
+    args = (packed, absmax, layout.blocksize, layout.quant_type, shape, layout.dtype)
     if buf is None:
         return torch.ops.bitsandbytes.dequantize_4bit.default(*args)
     torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=buf)
     return buf
+
+
+def _kernel_ok(packed: Tensor, layout: Layout4bit) -> bool:
+    """fastaf's kernel takes the weight: on CUDA or interpreted (``FASTAF_DEQUANT_KERNEL``)."""
+    from .. import _config
+
+    if not _config.flags().dequant_kernel or not (packed.is_cuda or packed.device.type == "cpu"):
+        return False
+    return _kernel().supported(packed, layout.blocksize)
 
 
 def _dense(layout: Layout4bit, tensors: tuple, dtype: torch.dtype) -> Tensor:
@@ -135,8 +178,9 @@ class LoRALinear4bitFn(torch.autograd.Function):
     def forward(x, bias, a, b, packed, absmax, absmax2, code2, offset, blocksize, quant_type, shape, dtype, nested,
                 scale, dropout_p, seed, impl):
         layout = Layout4bit(blocksize, quant_type, shape, dtype, nested)
-        w = _dense(layout, (packed, absmax, absmax2, code2, offset), x.dtype)
-        return _fwd(x, w, bias, a, b, scale, dropout_p, seed, impl)
+        with _buffer_lock:
+            w = _dense(layout, (packed, absmax, absmax2, code2, offset), x.dtype)
+            return _fwd(x, w, bias, a, b, scale, dropout_p, seed, impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -152,7 +196,7 @@ class LoRALinear4bitFn(torch.autograd.Function):
         if dy is None:
             return (None,) * 18
         needs = ctx.needs_input_grad
-        with torch.no_grad():  # first order (torch.func.grad runs the backward with create_graph)
+        with torch.no_grad(), _buffer_lock:  # first order (torch.func.grad runs the backward with create_graph)
             w = _dense(ctx.layout, tuple(quantized), x.dtype)
             dx, da, db = _bwd(dy, x, w, a, b, h, ctx.scale, ctx.dropout_p, seed, needs[0], ctx.impl)
         return (dx if needs[0] else None, dy.sum(0) if needs[1] else None, da if needs[2] else None,

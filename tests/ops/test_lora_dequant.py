@@ -71,3 +71,26 @@ def test_a_lora_that_does_not_fit_is_named():
     with pytest.raises(ValueError, match=r"q_proj: LoRA A \(4, 64\) / B \(48, 4\) does not fit weight \(48, 128\)"):
         lora_linear_4bit(torch.randn(3, K), weight, None, fa.LoRA(torch.randn(R, 64), torch.randn(N, R), 1.0),
                          where="q_proj")
+
+
+@pytest.mark.parametrize("quant_type,nested", CASES)
+def test_the_kernel_equals_bitsandbytes_dequantization(quant_type, nested, monkeypatch):
+    """fastaf's one-launch kernel (interpreted here) against bitsandbytes' own ops, bit for bit in
+    fp32, on a weight whose size is no multiple of the kernel's block (a tail program). Rows of
+    whole 64-value blocks: bitsandbytes' CPU dequantization (0.50) misplaces the absmaxes of rows
+    that are not (its values then differ from its CUDA kernel's, and from the weight)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fastaf.kernels import dequant_4bit
+    from fastaf.kernels.hardware import available
+
+    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3)) / 8
+    q, state = bnb_functional.quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
+    if not available(q):
+        pytest.skip("no Triton interpreter")
+    want = bnb_functional.dequantize_4bit(q, state)
+    extra = (state.state2.absmax, state.state2.code, state.offset) if nested else (None, None, None)
+    out = torch.empty(40, 192)
+    got = dequant_4bit.dequant_4bit(q, state.absmax, *extra, quant_type, state.blocksize,
+                                    state.state2.blocksize if nested else 0, out)
+    assert torch.equal(got, want)

@@ -1,0 +1,65 @@
+"""A bitsandbytes 4-bit weight (NF4 or FP4, double quantization or not) dequantized in one launch.
+
+bitsandbytes dequantizes a double-quantized weight in two launches (the absmaxes, then the
+weight), and its 4-bit kernel reached 0.6-1.9 TB/s on the H200 (``scratch`` measurement quoted in
+``ops/lora_dequant.py``: 1024 x 4096 at 0.0165 ms). This kernel reads the packed bytes and both
+levels of absmax and writes the weight at once. The 16-value code table is read from bitsandbytes'
+own dequantization of every code (``code_table``), so the two agree by construction; the tests
+compare whole weights. Kernel: ``dequant_4bit_kernels``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .hardware import available
+
+BLOCK_BYTES = 1024  # packed bytes per program: 2048 values
+INTERPRET_BLOCK_BYTES = 64
+_codes: dict[tuple, torch.Tensor] = {}
+
+
+def code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The 16 fp32 values of ``quant_type``'s codes, from bitsandbytes' dequantization of a block
+    whose bytes hold each code twice (absmax 1): what its kernels compute, whatever their form."""
+    key = (quant_type, device)
+    table = _codes.get(key)
+    if table is None:
+        codes = torch.arange(16, dtype=torch.int32)
+        packed = (codes * 16 + codes).to(torch.uint8).repeat(2).to(device)  # 32 bytes: one block of 64
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        dense = torch.ops.bitsandbytes.dequantize_4bit.default(packed, one, 64, quant_type, [64], torch.float32)
+        table = _codes[key] = dense.reshape(-1)[0:32:2].contiguous()
+    return table
+
+
+def supported(packed: torch.Tensor, blocksize: int) -> bool:
+    """The kernel can run: on CUDA (or interpreted), contiguous uint8 bytes, even block sizes."""
+    return available(packed) and packed.dtype == torch.uint8 and packed.is_contiguous() and blocksize % 2 == 0
+
+
+def dequant_4bit(packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[torch.Tensor],
+                 code2: Optional[torch.Tensor], offset: Optional[torch.Tensor], quant_type: str, blocksize: int,
+                 nested_blocksize: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the dense weight into ``out`` (N, K), contiguous, float: ``packed`` holds N * K / 2
+    bytes, ``absmax`` one value per ``blocksize`` values (uint8 when ``nested_blocksize``, with
+    ``absmax2`` one fp32 per ``nested_blocksize`` absmaxes, ``code2`` 256 fp32, ``offset`` 0-d)."""
+    from .dequant_4bit_kernels import _dequant_4bit_kernel
+
+    n_bytes = out.numel() // 2
+    block = BLOCK_BYTES if packed.is_cuda else INTERPRET_BLOCK_BYTES
+    nested = nested_blocksize > 0
+    code = code_table(quant_type, packed.device)
+    dummy = absmax  # unread pointers where not nested
+    _dequant_4bit_kernel[(triton_cdiv(n_bytes, block),)](
+        packed, absmax, absmax2 if nested else dummy, code2 if nested else dummy,
+        offset.reshape(1).to(torch.float32) if nested else dummy, code, out, n_bytes,
+        BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=max(nested_blocksize, 1), NESTED=nested, BLOCK_BYTES=block,
+        num_warps=4,
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
