@@ -98,7 +98,7 @@ class Forwards:
     def __exit__(self, *exc: Any) -> None:
         for module, before in reversed(self.installed):
             if before is _NONE:
-                module.__dict__.pop("forward", None)
+                del module.__dict__["forward"]  # not dict.pop: torch 2.11's dynamo cannot trace it
             else:
                 module.__dict__["forward"] = before
         self.installed.clear()

@@ -56,7 +56,7 @@ def dequant_4bit(packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[t
         packed, absmax, absmax2 if nested else dummy, code2 if nested else dummy,
         offset.reshape(1).to(torch.float32) if nested else dummy, code, out, n_bytes,
         BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=max(nested_blocksize, 1), NESTED=nested, BLOCK_BYTES=block,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,  # code2 * absmax2 + offset rounded twice, as bitsandbytes' two ops
     )
     return out
 
