@@ -98,7 +98,7 @@ class Forwards:
     def __exit__(self, *exc: Any) -> None:
         for module, before in reversed(self.installed):
             if before is _NONE:
-                del module.__dict__["forward"]  # not dict.pop: torch 2.11's dynamo cannot trace it
+                del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = before
         self.installed.clear()
@@ -135,6 +135,10 @@ class Forwards:
 
 
 _NONE = object()  # no instance forward before the call
+# Whether dynamo traces the removal of an instance forward set in the graph (``Forwards`` under
+# torch.compile): torch 2.11's does not (neither del nor dict.pop on a module's __dict__; delattr
+# reaches the real module, where the set is still pending), torch 2.13's does.
+TRACED_FORWARDS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 class _WeightWatch:
@@ -281,6 +285,17 @@ def scoped_call(
             "an old-style autograd.Function; torch 2.11): differentiate with one eager torch.func.grad "
             "level alone (the model then runs below it) or with autograd, torch.autograd.grad(loss, adapter leaves)"
         )
+    if compiling and not TRACED_FORWARDS:
+        if mode.branches:
+            first = mode.branches[0]
+            raise NotImplementedError(
+                f"fastaf: {first.path} ({type(first.module).__name__}) is a quantized linear layer, which "
+                f"torch.compile over functional_call takes from torch 2.13 on (torch {torch.__version__}'s dynamo "
+                "cannot remove the layer's forward for the call inside the graph). Run the call eagerly, or use the "
+                "stateful layer (fastaf.init), whose hooks a compiled model keeps"
+            )
+        with mode:  # modules' runs uncounted: a lost LoRA is seen eagerly and by the stateful layer
+            return run()
     if compiling:
         # tracers see the mode and instance forwards (no hooks can be registered inside a graph):
         # the forwards run quantized layers and count the other modules' runs, so a module that

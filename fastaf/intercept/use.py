@@ -124,10 +124,13 @@ def packed_4bit(module: Any) -> Packed4bit | None:
     nested = bool(getattr(state, "nested", False))
     layout = Layout4bit(int(state.blocksize), state.quant_type, tuple(state.shape), state.dtype,
                         int(state.state2.blocksize) if nested else 0)
+    # the bytes as a plain tensor: bitsandbytes' Params4bit sends every torch call on it through its
+    # __torch_function__, and no op of fastaf's takes its eager path for a tensor subclass
+    packed = weight if torch.compiler.is_compiling() else weight.as_subclass(Tensor)
     if nested:
         offset = state.offset if isinstance(state.offset, Tensor) else torch.tensor(float(state.offset))
-        return Packed4bit(layout, weight, state.absmax, state.state2.absmax, state.state2.code, offset.to(weight.device))
-    return Packed4bit(layout, weight, state.absmax)
+        return Packed4bit(layout, packed, state.absmax, state.state2.absmax, state.state2.code, offset.to(packed.device))
+    return Packed4bit(layout, packed, state.absmax)
 
 
 def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: dict, lora: LoRA, ids: Any,

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._adapter import LoRA
 from .lora_linear import _as_dtype, _direct_bwd, _direct_fwd, _kernel_factor, _use_triton, check_use
-from ._levels import _direct_ok, _traced_apply
+from ._levels import _direct_ok, _traced_apply, interpreter_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +206,25 @@ class LoRALinear4bitFn(torch.autograd.Function):
 LoRALinear4bitFn_apply = _traced_apply(LoRALinear4bitFn)
 
 
+class _LoRALinear4bitDirect(torch.autograd.function._SingleLevelFunction):
+    """``LoRALinear4bitFn`` for plain eager autograd (no functorch level, no tracer): the same
+    forward and backward through the C apply, without ``Function.apply``'s argument binding and
+    functorch checks (host time at every 4-bit layer of every step)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = LoRALinear4bitFn.forward(*inputs)
+        LoRALinear4bitFn.setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        return LoRALinear4bitFn.backward(ctx, dy, dh)
+
+
+_direct_apply = _LoRALinear4bitDirect.apply  # the C apply
+
+
 def lora_linear_4bit(x: Tensor, weight: Packed4bit, bias: Optional[Tensor], lora: LoRA, *, impl: str = "auto",
                      training: bool = True, where: str = "lora_linear_4bit") -> Tensor:
     """``x @ deq(weight).T + bias + lora.scale * (dropout(x) @ lora.A.T) @ lora.B.T``.
@@ -228,8 +247,11 @@ def lora_linear_4bit(x: Tensor, weight: Packed4bit, bias: Optional[Tensor], lora
     p = float(lora.dropout) if training else 0.0
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0.0 else None
     x2 = x.reshape(-1, K)
-    y, _ = LoRALinear4bitFn_apply(x2, bias, lora.A, lora.B, *weight.tensors, *dataclasses.astuple(weight.layout),
-                                  float(lora.scale), p, seed, impl)
+    layout = weight.layout
+    args = (x2, bias, lora.A, lora.B, *weight.tensors, layout.blocksize, layout.quant_type, layout.shape, layout.dtype,
+            layout.nested_blocksize, float(lora.scale), p, seed, impl)
+    direct = not torch.compiler.is_compiling() and not interpreter_stack()
+    y, _ = _direct_apply(*args) if direct else LoRALinear4bitFn_apply(*args)
     return y.view(*x.shape[:-1], N)
 
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import fastaf as fa
+from fastaf.intercept.scope import TRACED_FORWARDS
 from tests._models import random_adapter, token_batch
 from tests._peft import peft_grads, peft_model_with
 
@@ -181,12 +182,12 @@ def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, set_
     """With grad on, each 4-bit layer runs ``ops.lora_linear_4bit`` (FASTAF_DEQUANT, the default),
     not its own forward plus a branch; both equal PEFT's QLoRA. Inference keeps bitsandbytes'
     forward."""
-    from fastaf.ops import lora_dequant
+    from fastaf.intercept import use
 
     set_flags(dequant=dequant)
     calls = []
-    real = lora_dequant.LoRALinear4bitFn_apply
-    monkeypatch.setattr(lora_dequant, "LoRALinear4bitFn_apply", lambda *a: calls.append(a[4].shape) or real(*a))
+    real = use.lora_linear_4bit
+    monkeypatch.setattr(use, "lora_linear_4bit", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     model = quantized(saved, "nf4-double")
     adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=6)
     ids = token_batch()
@@ -201,6 +202,7 @@ def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, set_
     assert calls == []
 
 
+@pytest.mark.skipif(not TRACED_FORWARDS, reason="torch.compile over functional_call sets instance forwards from torch 2.13")
 @pytest.mark.parametrize("kind", ["nf4-double", "fp4", "int8"])
 def test_compiled_functional_call_over_a_quantized_base_equals_eager(saved, kind):
     """torch.compile over functional_call (its quantized layers were refused): plain autograd, and
