@@ -13,12 +13,14 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   ``loss.backward()`` and AdamW;
 - fastaf-bf16-compiled / fastaf-qlora-compiled: the loss over ``fa.functional_call`` under
   ``torch.compile(fullgraph=True)`` (``bench/e2e.py``'s ``fastaf-autograd-compiled``),
-  ``loss.backward()`` and AdamW;
+  ``loss.backward()`` and AdamW (before torch 2.13, a 4-bit base: the stateful layer under
+  ``torch.compile(model)``);
 - fastaf-qlora-branch / fastaf-qlora-compiled-branch (extra, for the A/B): as their names without
   ``-branch`` with ``FASTAF_DEQUANT=0``: each 4-bit layer runs bitsandbytes' forward and the LoRA
   is added as a branch, instead of the dequantization inside fastaf's op.
-Each provider builds its own model and frees it after, so ``max_mem_gib`` is its own peak (CUDA
-memory allocated, model included); ``ms`` is ``do_bench``'s median over its steps. The first
+Each provider builds its own model and frees it after (``--one-model``: one model per base, shared),
+so ``max_mem_gib`` is its own peak (CUDA memory allocated, model included); ``ms`` is
+``do_bench``'s median over its steps. The first
 step's loss is checked against the bf16 base's (every adapter starts with B = 0; a 4-bit base
 differs by its quantization: 2% allowed). Rows go to bench/results/qlora.csv (bench/README.md).
 """
@@ -97,8 +99,19 @@ def fastaf_step(model, ids):
 
 def fastaf_compiled_step(model, ids):
     """``bench/e2e.py``'s ``fastaf-autograd-compiled``: the loss over ``functional_call`` under
-    ``torch.compile(fullgraph=True)``, its backward AOTAutograd's graph, then AdamW."""
-    return fastaf_autograd_step(model, ids, compiled=True)
+    ``torch.compile(fullgraph=True)``, its backward AOTAutograd's graph, then AdamW. Where torch
+    refuses quantized layers there (before 2.13), the stateful layer under ``torch.compile(model)``."""
+    from fastaf.intercept.scope import TRACED_FORWARDS
+
+    if TRACED_FORWARDS or not any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+        return fastaf_autograd_step(model, ids, compiled=True)
+    print(f"  torch {torch.__version__}: compiled over the stateful layer (fa.init), not functional_call", flush=True)
+    fa.init(model)
+    model.add_new_adapter("a", fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS), seed=0)
+    model.set_active_adapter("a")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    run = torch.compile(model)
+    return _autograd_step(lambda: run(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
 MAKERS = {"peft": peft_step, "fastaf": fastaf_step, "fastaf-compiled": fastaf_compiled_step}
@@ -111,8 +124,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model on any device (a smoke test)")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default qlora)")
     ap.add_argument("--batch", type=int, default=4, help="sequences of 1024 tokens per step (default 4)")
+    ap.add_argument("--one-model", action="store_true",
+                    help="build each base (bf16, 4-bit) once and share it, PEFT's providers last (it wraps the model "
+                         "in place): a 8B base takes about a minute to build and quantize")
     args = ap.parse_args()
     names = [n for n in args.providers.split(",") if n]
+    if args.one_model:
+        names.sort(key=lambda n: n.startswith("peft-"))
     unknown = sorted(set(names) - set(PROVIDERS + EXTRA))
     if unknown:
         raise SystemExit(f"unknown providers {unknown}; known: {PROVIDERS + EXTRA}")
@@ -122,7 +140,7 @@ def main() -> None:
     vocab = (H.TINY_LLAMA if args.tiny else json.loads(CONFIG.read_text()))["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     case = {"model": "tiny" if args.tiny else "llama-3-8b-shape", "batch": batch, "seq": seq, "r": RANK}
-    rows, base_loss = [], None
+    rows, base_loss, models = [], None, {}
     for name in names:
         qlora = "-qlora" in name
         maker = MAKERS[name.replace("-qlora", "").replace("-bf16", "").replace("-branch", "")]
@@ -132,7 +150,9 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        model = make_model(args.tiny, device, qlora)
+        model = models.get(qlora) or make_model(args.tiny, device, qlora)
+        if args.one_model:
+            models[qlora] = model
         step = maker(model, ids)
         t0 = time.perf_counter()
         first = step().item()

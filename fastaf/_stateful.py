@@ -68,13 +68,15 @@ from torch import nn
 from . import _config
 from ._layouts import check_module, linear_spec
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
-from .intercept import (Groups, branch_output, check_lost, explicit_mode_active, link_siblings, module_mode,
+from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
+                        module_mode, packed_4bit,
                         module_routes)
 from .ops import add_lora_rows, added_lora, decoding
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
 _BRANCH = "branch"  # the same for a quantized linear, whose forward fastaf never adapts (``ops.lora_branch``)
+_DONE = "done"  # a 4-bit layer's entry whose call ran fastaf's dequantizing op, its LoRA included
 
 
 def _quantized(module: nn.Module) -> bool:
@@ -188,6 +190,8 @@ class _Registry(nn.Module):
         self.active_loras: dict[str, tuple] = {}  # key -> (its slot module, its LoRA): the active slot's, cached
         self.cast_loras: dict[str, tuple] = {}  # key -> (A, A's version, B, B's version, that LoRA in a half dtype)
         self.entered: dict[str, tuple[nn.Module, int]] = {}  # active adapter's module path -> (module, pre-hook id)
+        # active adapter's bitsandbytes 4-bit modules -> the instance forward set on each (``_Quantized4bitForward``)
+        self.forwards: dict[str, tuple[nn.Module, Any]] = {}
         self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
         self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
@@ -233,6 +237,10 @@ class _Registry(nn.Module):
             # again when an adapter comes back (a cached graph, not a recompile)
             hook = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
             self.entered[path] = (modules[path], hook.id)
+            module = modules[path]
+            if len(keys) == 1 and "forward" not in module.__dict__ and packed_4bit(module) is not None:
+                forward = module.__dict__["forward"] = _Quantized4bitForward(module, self, keys[0])  # not a submodule
+                self.forwards[path] = (module, forward)
         for slot_name, slot in self.adapters.items():
             for p in slot.parameters():
                 p.requires_grad_(slot_name == name)
@@ -248,6 +256,10 @@ class _Registry(nn.Module):
         for module, hook_id in self.entered.values():
             module._forward_pre_hooks.pop(hook_id, None)
         self.entered = {}
+        for module, forward in self.forwards.values():
+            if module.__dict__.get("forward") is forward:
+                del module.__dict__["forward"]
+        self.forwards = {}
         if self.call_hooks and self.call_hooks[0] is not None:
             model._forward_pre_hooks.pop(self.call_hooks[0], None)
             self.call_hooks = (None, self.call_hooks[1])
@@ -442,6 +454,8 @@ class _Registry(nn.Module):
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _, mode, _, counts = stack.pop()
+            if mode is _DONE:  # fastaf's op ran the layer, its LoRA included (``_Quantized4bitForward``)
+                return
             if mode is _BRANCH:  # a quantized linear's output plus its LoRA (``ops.lora_branch``)
                 if sys.exc_info()[0] is None:
                     return branch_output(counts, module, args, output, self.active_lora(counts))
@@ -828,6 +842,28 @@ class _Method:
 
     def __repr__(self) -> str:
         return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
+
+
+class _Quantized4bitForward:
+    """The ``forward`` set on a bitsandbytes 4-bit layer while an adapter is active on it: a training
+    call inside the layer's entry (``enter_module`` opened it as ``_BRANCH``) runs fastaf's op, the
+    weight dequantized inside it (``intercept.dequantized``), and marks the entry ``_DONE`` so
+    ``leave_module`` adds nothing; any other call runs the class's forward, its LoRA added by
+    ``leave_module``. An object, not a closure: a deep copy of the model gets one bound to the
+    copied layer."""
+
+    def __init__(self, module: nn.Module, registry: Any, key: str) -> None:
+        self.module, self.registry, self.key = module, registry, key
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, stack = self.module, _open_modes()
+        if stack and stack[-1][0] is module and stack[-1][1] is _BRANCH and self.registry.active is not None:
+            y = dequantized(self.key, module, args, kwargs, self.registry.active_lora(self.key), None,
+                            _config.flags().stateful_impl, True)
+            if y is not None:
+                stack[-1] = (module, _DONE, self.registry, self.key)
+                return y
+        return type(module).forward(module, *args, **kwargs)
 
 
 class _Forward:

@@ -11,4 +11,4 @@ from .groups import Groups, learned
 from .mode import LoRAMode, adapter_mode, module_mode
 from .routes import Route, link_siblings, module_routes
 from .scope import check_lost, combine, checkpoint_context, explicit_mode_active, scoped_call
-from .use import branch_output
+from .use import branch_output, dequantized, packed_4bit

@@ -6,9 +6,12 @@ instead (``carrier``: the same rules, seen only by calls that receive an adapted
 H100 a Liger-patched 1B step took 121 ms this way against 143 ms under the mode). With the mode,
 eagerly, per-call pre-hooks on the targeted modules (``_WeightWatch``) count their calls and
 follow a weight swapped in when its module runs (FSDP2's unsharded weight); they are removed when
-the call returns or raises, so the model is left as it was. Under ``torch.compile`` the mode runs
-alone: tracers follow a mode, not hooks registered inside the graph. A targeted module that runs
-without its weight meeting a rule is an error after the call, never a silently unadapted output.
+the call returns or raises, so the model is left as it was. Quantized layers get an instance
+``forward`` for the call instead (``Forwards``), which runs them with their LoRA. Under
+``torch.compile`` the mode runs with ``Forwards`` alone (tracers follow a mode and instance
+forwards set in the graph, not hooks registered there), which count every targeted module's runs
+too. A targeted module that runs without its weight meeting a rule is an error after the call,
+never a silently unadapted output.
 """
 from __future__ import annotations
 

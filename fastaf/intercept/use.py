@@ -8,6 +8,7 @@ siblings' shared h).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -117,6 +118,11 @@ def packed_4bit(module: Any) -> Packed4bit | None:
     (FSDP; bitsandbytes' forward restores it from there too); a weight repacked for the CPU's
     AVX512 path (bitsandbytes does that in eval mode) is not the layout the op reads."""
     weight = module._parameters.get("weight")
+    traced = torch.compiler.is_compiling()
+    if not traced:  # the layer's weight and state as last read: the same layout and tensors (host time per call)
+        cached = _packed.get(module)
+        if cached is not None and cached[0] is weight and cached[1] is getattr(weight, "quant_state", None):
+            return cached[2]
     state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
     if weight is None or state is None or getattr(state, "quant_type", None) not in ("nf4", "fp4") \
             or getattr(state, "packing_format_for_cpu", False) or weight.dtype != torch.uint8:
@@ -126,31 +132,50 @@ def packed_4bit(module: Any) -> Packed4bit | None:
                         int(state.state2.blocksize) if nested else 0)
     # the bytes as a plain tensor: bitsandbytes' Params4bit sends every torch call on it through its
     # __torch_function__, and no op of fastaf's takes its eager path for a tensor subclass
-    packed = weight if torch.compiler.is_compiling() else weight.as_subclass(Tensor)
+    packed = weight if traced else weight.as_subclass(Tensor)
     if nested:
         offset = state.offset if isinstance(state.offset, Tensor) else torch.tensor(float(state.offset))
-        return Packed4bit(layout, packed, state.absmax, state.state2.absmax, state.state2.code, offset.to(packed.device))
-    return Packed4bit(layout, packed, state.absmax)
+        found = Packed4bit(layout, packed, state.absmax, state.state2.absmax, state.state2.code, offset.to(packed.device))
+    else:
+        found = Packed4bit(layout, packed, state.absmax)
+    if not traced and getattr(weight, "quant_state", None) is state:  # one kept on the module only (FSDP): read again
+        _packed[module] = (weight, state, found)
+    return found
+
+
+# module -> (its weight, its quant_state, the Packed4bit read from them); weak: not kept past the module
+_packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def dequantized(path: str, module: Any, args: tuple, kwargs: dict, lora: LoRA, ids: Any, impl: str,
+                own: bool) -> Tensor | None:
+    """A bitsandbytes 4-bit layer's call with its LoRA through ``ops.lora_linear_4bit`` (its weight
+    dequantized inside fastaf's fused op, the dense weight never kept: ``FASTAF_DEQUANT``), or None
+    where that does not apply. It takes a training call (grad on) of one LoRA with the input alone,
+    the module's own forward (``own``: not one set on the instance, such as accelerate's hooks) and
+    no vmap level (the op has no vmap rule); inference keeps bitsandbytes' forward, whose few-row
+    kernel reads the packed weight directly."""
+    if not own or ids is not None or lora.stacked or not torch.is_grad_enabled() or len(args) != 1 or kwargs \
+            or not isinstance(args[0], Tensor) or not _config.flags().dequant or transform_levels()[0]:
+        return None
+    packed = packed_4bit(module)
+    if packed is None:
+        return None
+    x = args[0]
+    dtype = getattr(module, "compute_dtype", None) or x.dtype  # bitsandbytes computes in it
+    bias = module.bias if module.bias is None else module.bias.to(dtype)
+    return lora_linear_4bit(x.to(dtype), packed, bias, lora, impl=impl, training=module.training,
+                            where=path).to(x.dtype)
 
 
 def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: dict, lora: LoRA, ids: Any,
                    impl: str, own: bool) -> Tensor:
-    """A quantized layer's call with its LoRA: ``forward(*args, **kwargs)`` (the module's own) plus
-    the LoRA (``branch_output``), or, for a bitsandbytes 4-bit layer that fastaf dequantizes itself
-    (``packed_4bit``), ``ops.lora_linear_4bit``: the dequantization inside fastaf's fused op, the
-    dense weight never kept (``FASTAF_DEQUANT``). That takes a training call (grad on) of one LoRA
-    with the input alone, the module's own forward (``own``: not one set on the instance, such as
-    accelerate's hooks) and no vmap level (the op has no vmap rule); inference keeps bitsandbytes'
-    forward, whose few-row kernel reads the packed weight directly."""
+    """A quantized layer's call with its LoRA: ``dequantized``, or ``forward(*args, **kwargs)`` (the
+    module's own) plus the LoRA (``branch_output``)."""
+    y = dequantized(path, module, args, kwargs, lora, ids, impl, own)
+    if y is not None:
+        return y
     vmaps, derivatives = transform_levels()
-    packed = packed_4bit(module) if own and _config.flags().dequant else None
-    if (packed is not None and ids is None and not lora.stacked and torch.is_grad_enabled() and len(args) == 1
-            and not kwargs and isinstance(args[0], Tensor) and not vmaps):
-        x = args[0]
-        dtype = getattr(module, "compute_dtype", None) or x.dtype  # bitsandbytes computes in it
-        bias = module.bias if module.bias is None else module.bias.to(dtype)
-        y = lora_linear_4bit(x.to(dtype), packed, bias, lora, impl=impl, training=module.training, where=path)
-        return y.to(x.dtype)
     if torch.compiler.is_compiling() and (vmaps or derivatives):
         raise NotImplementedError(
             f"{path} ({type(module).__name__}) is a quantized layer that runs its own forward, its LoRA added to the "

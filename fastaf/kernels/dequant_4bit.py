@@ -1,9 +1,9 @@
 """A bitsandbytes 4-bit weight (NF4 or FP4, double quantization or not) dequantized in one launch.
 
 bitsandbytes dequantizes a double-quantized weight in two launches (the absmaxes, then the
-weight), and its 4-bit kernel reached 0.6-1.9 TB/s on the H200 (``scratch`` measurement quoted in
-``ops/lora_dequant.py``: 1024 x 4096 at 0.0165 ms). This kernel reads the packed bytes and both
-levels of absmax and writes the weight at once. The 16-value code table is read from bitsandbytes'
+weight), at 0.6-1.9 TB/s on the H200 (``bench/results/dequant-4bit.csv``). This kernel reads the
+packed bytes and both levels of absmax and writes the weight at once: 0.028 against 0.047 ms for a
+4096 x 4096 weight there, each behind fastaf's Python wrapper. The 16-value code table is read from bitsandbytes'
 own dequantization of every code (``code_table``), so the two agree by construction; the tests
 compare whole weights. Kernel: ``dequant_4bit_kernels``.
 """

@@ -3,7 +3,8 @@
 Each op family is one file in the same order (reference -> ``fastaf::`` ops with fakes and vmap
 rules -> ``autograd.Function``s -> the public function): ``lora_linear`` (one adapter),
 ``lora_multi`` (a stack with per-row ids), ``lora_siblings`` (q/k/v, gate/up sharing one pass over
-x), ``lora_group`` (eager siblings as one node), ``lora_decode`` (a decoding step's few rows), ``lora_branch`` (the LoRA beside a quantized layer). ``_levels`` holds the functorch level plumbing
+x), ``lora_group`` (eager siblings as one node), ``lora_decode`` (a decoding step's few rows), ``lora_branch`` (the LoRA beside a quantized layer),
+``lora_dequant`` (a 4-bit weight dequantized inside the op). ``_levels`` holds the functorch level plumbing
 they share, the only code that touches functorch's C API; see README.md beside this file.
 """
 from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_level, differentiated_around,

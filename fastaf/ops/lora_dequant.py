@@ -7,9 +7,10 @@ quantization. This op dequantizes it with bitsandbytes' registered ops (``torch.
 CUDA and CPU kernels, fake implementations for tracers) and runs fastaf's fused LoRA linear on the
 dense weight (``lora_linear``'s implementations: the Triton kernels on CUDA, the reference
 elsewhere). Nothing dense is kept: the backward dequantizes again for dX, and eagerly on CUDA each
-dequantization writes into one buffer per shape and thread, reused by every layer of that shape
-(no bf16 copy of the model, no allocation per layer). On the H200 (``bench/results/qlora.csv``)
-dequantizing a 4096 x 14336 NF4 weight took 0.076 ms against 0.69 ms for its 4096-row GEMM.
+dequantization writes into one buffer per device, dtype and stream, reused by every layer
+(no bf16 copy of the model, no allocation per layer). On the H200
+(``bench/results/dequant-4bit.csv``) bitsandbytes dequantized a 4096 x 14336 NF4 weight in 0.076 ms
+against 0.69 ms for its 4096-row GEMM.
 
 Shapes: x (M, K); packed weight (ceil(N * K / 2), 1) uint8; bias (N,) | None; A (R, K); B (N, R)
 -> y (M, N). The op is a new-style ``autograd.Function`` (``setup_context``): plain autograd,
@@ -83,11 +84,17 @@ def _buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
     return buf[:numel].view(shape)
 
 
+_kernel_module = None
+
+
 def _kernel():
     """``fastaf.kernels.dequant_4bit``, imported on first use (triton loads with it)."""
-    from ..kernels import dequant_4bit
+    global _kernel_module
+    if _kernel_module is None:
+        from ..kernels import dequant_4bit
 
-    return dequant_4bit
+        _kernel_module = dequant_4bit
+    return _kernel_module
 
 
 def _dequant_kernel_impl(packed: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
@@ -133,11 +140,15 @@ def dequantize(layout: Layout4bit, packed: Tensor, absmax: Tensor, absmax2: Opti
 
 def _kernel_ok(packed: Tensor, layout: Layout4bit) -> bool:
     """fastaf's kernel takes the weight: on CUDA or interpreted (``FASTAF_DEQUANT_KERNEL``)."""
-    from .. import _config
-
-    if not _config.flags().dequant_kernel or not (packed.is_cuda or packed.device.type == "cpu"):
+    if not _flags().dequant_kernel:
         return False
     return _kernel().supported(packed, layout.blocksize)
+
+
+def _flags():
+    from .. import _config  # the switches sit above the ops in the house; read at call time
+
+    return _config.flags()
 
 
 def _dense(layout: Layout4bit, tensors: tuple, dtype: torch.dtype) -> Tensor:
