@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _config
@@ -19,7 +20,7 @@ from .._adapter import LoRA
 from ..ops import PLAIN_TYPES, check_rows, decoding, lora_branch, lora_branch_multi, \
     lora_linear_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, \
     shareable, shared_h_fanned, transform_levels
-from ..ops.lora_dequant import Layout4bit, Packed4bit, lora_linear_4bit
+from ..ops.lora_dequant import Layout4bit, Packed4bit, dequantize, lora_linear_4bit
 
 
 def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -176,6 +177,8 @@ def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: di
     if y is not None:
         return y
     vmaps, derivatives = transform_levels()
+    if vmaps and not torch.compiler.is_compiling():
+        return _vmapped(path, module, args, kwargs, lora, own)
     if torch.compiler.is_compiling() and (vmaps or derivatives):
         raise NotImplementedError(
             f"{path} ({type(module).__name__}) is a quantized layer that runs its own forward, its LoRA added to the "
@@ -184,3 +187,23 @@ def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: di
             "eagerly"
         )
     return branch_output(path, module, args, forward(*args, **kwargs), lora, ids)
+
+
+def _vmapped(path: str, module: Any, args: tuple, kwargs: dict, lora: LoRA, own: bool) -> Tensor:
+    """A quantized layer's call under ``torch.func.vmap`` (over a stack of adapters): bitsandbytes'
+    forwards are old-style autograd Functions, which vmap refuses. A 4-bit layer computes what its
+    forward does, the weight dequantized (not batched: one for every slot) and ``F.linear``, plus
+    the LoRA as a branch; the dense weight lives while autograd needs it, as PEFT's would."""
+    packed = packed_4bit(module) if own and len(args) == 1 and not kwargs and isinstance(args[0], Tensor) else None
+    if packed is None:
+        raise NotImplementedError(
+            f"{path} ({type(module).__name__}) is a quantized layer whose own forward runs under torch.func.vmap, "
+            "which bitsandbytes' autograd Functions do not take (no vmap rule): call functional_call once per "
+            "adapter, or use adapter_ids with a stack"
+        )
+    x = args[0]
+    dtype = getattr(module, "compute_dtype", None) or x.dtype
+    bias = module.bias if module.bias is None else module.bias.to(dtype)
+    w = dequantize(packed.layout, *packed.tensors)
+    base = F.linear(x.to(dtype), w if w.dtype == dtype else w.to(dtype), bias)
+    return (base + lora_branch(x.to(dtype), lora, module.training)).to(x.dtype)

@@ -120,7 +120,8 @@ def dequantize(layout: Layout4bit, packed: Tensor, absmax: Tensor, absmax2: Opti
     dequantization on this device and stream: hold ``_buffer_lock`` until its reader is enqueued)."""
     shape = list(layout.shape)
     if layout.shape[0] * layout.shape[1] % 2 == 0 and _kernel_ok(packed, layout):
-        if not _direct_ok(packed, absmax, absmax2, code2, offset):  # traced: the registered op
+        # traced, or under a functorch transform (which wraps the output it would allocate): the registered op
+        if not _direct_ok(packed, absmax, absmax2, code2, offset) or interpreter_stack():
             return torch.ops.fastaf.dequant_4bit(packed, absmax, absmax2, code2, offset, layout.quant_type,
                                                  layout.blocksize, layout.nested_blocksize, shape, layout.dtype)
         buf = _buffer(layout.shape, layout.dtype, packed.device) if reuse else None

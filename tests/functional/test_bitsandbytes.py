@@ -278,3 +278,37 @@ def test_compiled_functional_call_over_a_quantized_base_equals_eager(saved, kind
     step(adapter.map(lambda p, l: fa.LoRA(l.A * 1.5, l.B + 0.01, l.scale)))
     assert counters["stats"]["unique_graphs"] == frames  # no recompilation
     assert not any("forward" in m.__dict__ for m in model.modules())  # the instance forwards are gone
+
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_vmap_over_a_stack_on_a_4bit_base_equals_one_call_per_adapter(saved):
+    """Under vmap a 4-bit layer computes its forward from the dequantized weight (bitsandbytes'
+    Functions have no vmap rule), plus each slot's branch: logits and vmap(grad) equal one call per
+    adapter. Every quantized linear is targeted: an untargeted one runs bitsandbytes' forward, which
+    vmap(grad) refuses inside bitsandbytes. An int8 layer under vmap is refused by name."""
+    model = quantized(saved, "nf4-double")
+    model.set_attn_implementation("eager")  # SDPA on the CPU has no vmap batching rule (tests/_models.py)
+    adapters = [random_adapter(model, ALL_LINEAR, r=R, alpha=ALPHA, seed=s) for s in (9, 10)]
+    ids = token_batch()
+
+    def loss(ad):
+        return fa.functional_call(model, ad, (ids,)).logits.square().mean()
+
+    stack = fa.stack(adapters)
+    with torch.no_grad():
+        got = torch.func.vmap(lambda a: fa.functional_call(model, a, (ids,)).logits)(stack)
+        for i, ad in enumerate(adapters):
+            torch.testing.assert_close(got[i], fa.functional_call(model, ad, (ids,)).logits, rtol=1e-5, atol=1e-5)
+    grads = torch.func.vmap(torch.func.grad(loss))(stack)
+    for i, ad in enumerate(adapters):
+        want = torch.func.grad(loss)(ad)
+        for path in ad:
+            torch.testing.assert_close(grads[path].A[i], want[path].A, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(grads[path].B[i], want[path].B, rtol=1e-4, atol=1e-6)
+    int8 = quantized(saved, "int8")
+    int8.set_attn_implementation("eager")
+    with pytest.raises(NotImplementedError, match=r"q_proj \(Linear8bitLt\) is a quantized layer.*vmap"):
+        torch.func.vmap(lambda a: fa.functional_call(int8, a, (ids,)).logits)(
+            fa.stack([random_adapter(int8, TARGETS, r=R, alpha=ALPHA, seed=s) for s in (1, 2)]))
