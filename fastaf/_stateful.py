@@ -944,6 +944,12 @@ def init(model: nn.Module) -> nn.Module:
     for name, fn in (*_METHODS.items(), *_OVERRIDES.items()):
         setattr(model, name, _Method(fn, model))
     model.active_adapter = None  # the active adapter's name, as PEFT's property gives it
+    if getattr(model, "is_quantized", False):
+        # transformers' Trainer refuses to train a quantized base ("purely quantized models") unless
+        # this says adapters are attached, as its own PEFT integration sets it; the only other
+        # readers are its gradient checkpointing (input grads on, as for PEFT) and its
+        # save_pretrained, which an inited model replaces
+        model._hf_peft_config_loaded = True
     return model
 
 

@@ -312,3 +312,32 @@ def test_vmap_over_a_stack_on_a_4bit_base_equals_one_call_per_adapter(saved):
     with pytest.raises(NotImplementedError, match=r"q_proj \(Linear8bitLt\) is a quantized layer.*vmap"):
         torch.func.vmap(lambda a: fa.functional_call(int8, a, (ids,)).logits)(
             fa.stack([random_adapter(int8, TARGETS, r=R, alpha=ALPHA, seed=s) for s in (1, 2)]))
+
+
+def test_hf_trainer_trains_a_quantized_base_through_the_stateful_layer(saved, tmp_path):
+    """transformers' Trainer refuses "purely quantized models" unless adapters are attached: an
+    ``fa.init`` model says so as PEFT's integration does. It trains (B moves off zero, through
+    fastaf's dequantizing op) and ``save_model`` writes a folder PEFT reads over the 4-bit base."""
+    from transformers import Trainer, TrainingArguments
+
+    base = quantized(saved, "nf4-double")
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("sql", fa.LoRAConfig(r=R, alpha=ALPHA, targets=TARGETS), seed=0)
+    model.set_active_adapter("sql")
+    ids = token_batch(batch=8, seq=12)
+    data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(len(ids))]
+    args = TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    trained = model.get_adapter("sql")
+    assert all(float(l.B.abs().max()) > 0 for l in trained.values())  # B starts at zero
+    trainer.save_model(str(tmp_path / "final"))
+    model.eval()
+    with torch.no_grad():
+        want = _logits(model, ids)
+        reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base).eval(), tmp_path / "final")
+        torch.testing.assert_close(_logits(reloaded, ids), want, rtol=1e-5, atol=1e-5)
