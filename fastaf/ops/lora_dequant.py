@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._adapter import LoRA
-from .lora_linear import _as_dtype, _direct_bwd, _direct_fwd, _kernel_factor, _use_triton, check_use
+from .lora_linear import _as_dtype, _autocast, _direct_bwd, _direct_fwd, _kernel_factor, _use_triton, check_use
 from ._levels import _direct_ok, _traced_apply, interpreter_stack
 
 
@@ -242,7 +242,8 @@ def lora_linear_4bit(x: Tensor, weight: Packed4bit, bias: Optional[Tensor], lora
     """``x @ deq(weight).T + bias + lora.scale * (dropout(x) @ lora.A.T) @ lora.B.T``.
 
     Args:
-        x: (..., K) in the compute dtype (the dense weight is dequantized to it).
+        x: (..., K) in the compute dtype (the dense weight is dequantized to it; under autocast,
+            autocast's dtype).
         weight: the packed 4-bit (N, K) weight.
         bias: (N,) in x's dtype, or None.
         lora: A (r, K), B (N, r), not stacked; gradients come back in the factors' own dtype.
@@ -253,6 +254,7 @@ def lora_linear_4bit(x: Tensor, weight: Packed4bit, bias: Optional[Tensor], lora
         (..., N) in x's dtype.
     """
     N, K = weight.layout.shape
+    x, _, bias = _autocast(x, None, bias)  # as autocast casts F.linear's operands (the weight follows x)
     if not torch.compiler.is_compiling():
         # the dense weight's shape and dtype, without dequantizing it
         check_use(x, _shape_of(weight, x), bias, lora, where)

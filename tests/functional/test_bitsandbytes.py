@@ -341,3 +341,26 @@ def test_hf_trainer_trains_a_quantized_base_through_the_stateful_layer(saved, tm
         want = _logits(model, ids)
         reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base).eval(), tmp_path / "final")
         torch.testing.assert_close(_logits(reloaded, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_trl_sft_trainer_trains_a_quantized_base_through_the_stateful_layer(saved, tmp_path):
+    """trl's SFTTrainer (CPU autocast in bf16 over an fp32-compute 4-bit base) trains the active
+    adapter through fastaf's dequantizing op."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from tests.test_stateful_hf import _tokenizer
+
+    model = fa.init(quantized(saved, "nf4-double"))
+    model.add_new_adapter("sql", fa.LoRAConfig(r=R, alpha=ALPHA, targets=TARGETS), seed=0)
+    model.set_active_adapter("sql")
+    rows = token_batch(batch=4, seq=16, seed=5).tolist()
+    config = trl.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                           learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                           disable_tqdm=True, dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list([{"input_ids": r} for r in rows]),
+                                 processing_class=_tokenizer())
+        trainer.train()
+    assert all(float(l.B.abs().max()) > 0 for l in model.get_adapter("sql").values())

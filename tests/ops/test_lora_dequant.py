@@ -95,3 +95,19 @@ def test_the_kernel_equals_bitsandbytes_dequantization(quant_type, nested):
     got = dequant_4bit.dequant_4bit(q, state.absmax, *extra, quant_type, state.blocksize,
                                     state.state2.blocksize if nested else 0, out)
     assert torch.equal(got, want)
+
+
+def test_under_autocast_the_op_computes_in_autocasts_dtype():
+    """As autocast casts F.linear's operands (bitsandbytes' path): x and the dense weight in bf16,
+    and a backward whose incoming gradient is bf16 (trl's SFTTrainer trains under CPU autocast)."""
+    weight, dense = _quantized("nf4", True)
+    x = torch.randn(3, K, requires_grad=True)
+    lora = fa.LoRA(torch.randn(R, K, requires_grad=True), torch.randn(N, R, requires_grad=True), 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora_linear_4bit(x, weight, None, lora)
+        want = torch.nn.functional.linear(x, dense) + 0.5 * torch.nn.functional.linear(
+            torch.nn.functional.linear(x, lora.A), lora.B)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    y.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32 and lora.A.grad.dtype == torch.float32
