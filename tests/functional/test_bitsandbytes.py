@@ -364,3 +364,24 @@ def test_trl_sft_trainer_trains_a_quantized_base_through_the_stateful_layer(save
                                  processing_class=_tokenizer())
         trainer.train()
     assert all(float(l.B.abs().max()) > 0 for l in model.get_adapter("sql").values())
+
+
+def test_generate_with_an_explicitly_compiled_decode_step_on_a_quantized_base(saved):
+    """transformers does not compile a bitsandbytes model's decode step by itself: compiled by the
+    user (a compile_config for every device, or the forward compiled in place), fa.generate gives
+    the dynamic path's tokens."""
+    from transformers import CompileConfig
+
+    model = quantized(saved, "nf4-double")
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=11)
+    ids = token_batch(batch=2, seq=6)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    config = CompileConfig(fullgraph=False, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles on CUDA only by default
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = fa.generate(model, adapter, ids, **kw)
+        assert torch.equal(fa.generate(model, adapter, ids, cache_implementation="static", compile_config=config, **kw),
+                           want)
+        model.forward = torch.compile(model.forward, backend="aot_eager")
+        assert torch.equal(fa.generate(model, adapter, ids, **kw), want)
