@@ -307,6 +307,8 @@ def scoped_call(
             out = run()
         lost = lost_message(routes, "fastaf.functional_call")
         if lost is not None:
+            if _fullgraph():
+                raise ValueError(lost)  # dynamo's error for it quotes this one whole
             _raise_traced(lost)
         return out
     try:
@@ -430,15 +432,27 @@ def _raise_lost(message: str) -> None:
     raise ValueError(message)
 
 
-# Raised from the trace, the error would be dynamo's to handle: an "observed exception" that
-# falls back to running the frames eagerly, beneath a compiled region that then traces the
-# model's frames again without the counts (the LoRA silently lost). Called as a function dynamo
-# does not trace, it is raised when the graph runs: without fullgraph, the same ValueError as
-# eagerly; with fullgraph=True, dynamo refuses the call and shows this reason.
+# Raised from the trace without fullgraph, the error would be dynamo's to handle: an "observed
+# exception" that falls back to running the frames eagerly, beneath a compiled region that then
+# traces the model's frames again without the counts (the LoRA silently lost). Called as a
+# function dynamo does not trace, it is raised when the graph runs: the same ValueError as eagerly.
+@torch.compiler.assume_constant_result
+def _fullgraph() -> bool:
+    """Traced: whether dynamo compiles the call with ``fullgraph=True`` (run once while tracing, a
+    constant to the graph). There an exception raised in the trace is dynamo's error, which quotes
+    it whole; the call of ``_raise_traced`` would be refused with its fixed reason only."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return bool(getattr(InstructionTranslator.current_tx(), "one_graph", False))
+    except Exception:  # another dynamo's internals: the general path
+        return False
+
+
 _raise_traced = torch.compiler.disable(
     _raise_lost, reason="fastaf.functional_call: a targeted module ran without its LoRA (its forward uses the weight "
-                        "in a way fastaf does not adapt, such as weight.data); compiled without fullgraph=True, or "
-                        "run eagerly, the call raises a ValueError naming the module, its class and the fix")
+                        "in a way fastaf does not adapt, such as weight.data); run eagerly, the call raises a "
+                        "ValueError naming the module, its class and the fix")
 
 
 def _check_applied(model: nn.Module, routes: list[Route], warn_unused: bool) -> None:
