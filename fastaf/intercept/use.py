@@ -163,10 +163,15 @@ def dequantized(path: str, module: Any, args: tuple, kwargs: dict, lora: LoRA, i
     if packed is None:
         return None
     x = args[0]
-    dtype = getattr(module, "compute_dtype", None) or x.dtype  # bitsandbytes computes in it
-    bias = module.bias if module.bias is None else module.bias.to(dtype)
+    dtype, bias = _compute(module, x)
     return lora_linear_4bit(x.to(dtype), packed, bias, lora, impl=impl, training=module.training,
                             where=path).to(x.dtype)
+
+
+def _compute(module: Any, x: Tensor) -> tuple[torch.dtype, Tensor | None]:
+    """(the dtype a bitsandbytes layer computes in, its bias in it): its ``compute_dtype``, else x's."""
+    dtype = getattr(module, "compute_dtype", None) or x.dtype
+    return dtype, module.bias if module.bias is None else module.bias.to(dtype)
 
 
 def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: dict, lora: LoRA, ids: Any,
@@ -202,8 +207,7 @@ def _vmapped(path: str, module: Any, args: tuple, kwargs: dict, lora: LoRA, own:
             "adapter, or use adapter_ids with a stack"
         )
     x = args[0]
-    dtype = getattr(module, "compute_dtype", None) or x.dtype
-    bias = module.bias if module.bias is None else module.bias.to(dtype)
+    dtype, bias = _compute(module, x)
     w = dequantize(packed.layout, *packed.tensors)
     base = F.linear(x.to(dtype), w if w.dtype == dtype else w.to(dtype), bias)
     return (base + lora_branch(x.to(dtype), lora, module.training)).to(x.dtype)
