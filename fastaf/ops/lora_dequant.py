@@ -3,8 +3,9 @@
 
 A bitsandbytes NF4 / FP4 weight (``Linear4bit``: QLoRA's base) is packed two values a byte with
 one absmax per block of 64 (``blocksize``), the absmaxes themselves 8-bit quantized under double
-quantization. This op dequantizes it with bitsandbytes' registered ops (``torch.ops.bitsandbytes``:
-CUDA and CPU kernels, fake implementations for tracers) and runs fastaf's fused LoRA linear on the
+quantization. This op dequantizes it in one launch of fastaf's kernel (``kernels.dequant_4bit``; the
+registered op ``fastaf::dequant_4bit`` under tracers and transforms), or with bitsandbytes' registered
+ops where the kernel cannot run (``torch.ops.bitsandbytes``), and runs fastaf's fused LoRA linear on the
 dense weight (``lora_linear``'s implementations: the Triton kernels on CUDA, the reference
 elsewhere). Nothing dense is kept: the backward dequantizes again for dX, and eagerly on CUDA each
 dequantization writes into one buffer per device, dtype and stream, reused by every layer
@@ -14,8 +15,8 @@ against 0.69 ms for its 4096-row GEMM.
 
 Shapes: x (M, K); packed weight (ceil(N * K / 2), 1) uint8; bias (N,) | None; A (R, K); B (N, R)
 -> y (M, N). The op is a new-style ``autograd.Function`` (``setup_context``): plain autograd,
-``torch.func.grad`` and ``torch.compile`` (bitsandbytes' ops have fakes) take it; vmap does not
-(a stack over a quantized base takes ``lora_branch_multi``).
+``torch.func.grad`` and ``torch.compile`` take it; vmap does not (under vmap the caller dequantizes
+and runs ``F.linear`` plus the LoRA as a branch: ``intercept.use``).
 """
 from __future__ import annotations
 
