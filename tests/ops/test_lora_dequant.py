@@ -78,25 +78,6 @@ def test_a_lora_that_does_not_fit_is_named():
                          where="q_proj")
 
 
-@pytest.mark.parametrize("quant_type,nested", CASES)
-@pytest.mark.skipif(not TRITON, reason="no Triton interpreter (TRITON_INTERPRET=1)")
-def test_the_kernel_equals_bitsandbytes_dequantization(quant_type, nested):
-    """fastaf's one-launch kernel (interpreted here) against bitsandbytes' own ops, bit for bit in
-    fp32, on a weight whose size is no multiple of the kernel's block (a tail program). Rows of
-    whole 64-value blocks: bitsandbytes' CPU dequantization (0.50) misplaces the absmaxes of rows
-    that are not (its values then differ from its CUDA kernel's, and from the weight)."""
-    from fastaf.kernels import dequant_4bit
-
-    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3)) / 8
-    q, state = bnb_functional.quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
-    want = bnb_functional.dequantize_4bit(q, state)
-    extra = (state.state2.absmax, state.state2.code, state.offset) if nested else (None, None, None)
-    out = torch.empty(40, 192)
-    got = dequant_4bit.dequant_4bit(q, state.absmax, *extra, quant_type, state.blocksize,
-                                    state.state2.blocksize if nested else 0, out)
-    assert torch.equal(got, want)
-
-
 def test_under_autocast_the_op_computes_in_autocasts_dtype():
     """As autocast casts F.linear's operands (bitsandbytes' path): x and the dense weight in bf16,
     and a backward whose incoming gradient is bf16 (trl's SFTTrainer trains under CPU autocast)."""
