@@ -40,6 +40,20 @@ def saved(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _dequant_by_bitsandbytes(set_flags):
+    """The model-level tests dequantize with bitsandbytes' ops: fastaf's kernel, interpreted on the
+    CPU, took most of this file's time (~80 of 125 s on 2 cores). The kernel has its own tests
+    against bitsandbytes (tests/kernels, tests/ops), and one model-level test here runs it."""
+    set_flags(dequant_kernel=False)
+
+
+def _interpreted() -> bool:
+    from fastaf.kernels.hardware import available
+
+    return available(torch.empty(0))
+
+
 def quantized(saved, kind: str):
     """The model loaded with ``kind`` and frozen, in train mode (no dropout anywhere): in eval mode
     bitsandbytes repacks a 4-bit weight in place for the CPU at its first gradless call, which
@@ -213,17 +227,21 @@ def test_a_stack_with_adapter_ids_equals_peft_adapter_names_on_a_quantized_base(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dequant", [True, False], ids=["dequant-op", "branch"])
-def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, set_flags, monkeypatch):
+@pytest.mark.parametrize("dequant,kernel", [(True, True), (True, False), (False, False)],
+                         ids=["dequant-op-kernel", "dequant-op", "branch"])
+def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, kernel, set_flags, monkeypatch):
     """With grad on, each 4-bit layer runs ``ops.lora_linear_4bit`` (FASTAF_DEQUANT, the default),
     not its own forward plus a branch; both equal PEFT's QLoRA. Inference keeps bitsandbytes'
     forward."""
     from fastaf.intercept import use
 
-    set_flags(dequant=dequant)
-    calls = []
-    real = use.lora_linear_4bit
+    from fastaf.kernels import dequant_4bit
+
+    set_flags(dequant=dequant, dequant_kernel=kernel)
+    calls, launches = [], []
+    real, launch = use.lora_linear_4bit, dequant_4bit.dequant_4bit
     monkeypatch.setattr(use, "lora_linear_4bit", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(dequant_4bit, "dequant_4bit", lambda *a: launches.append(a[-1].shape) or launch(*a))
     model = quantized(saved, "nf4-double")
     adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=6)
     ids = token_batch()
@@ -231,6 +249,7 @@ def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, set_
     leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
     got = _logits(lambda i: fa.functional_call(model, leaves, (i,)), ids)
     assert len(calls) == (len(adapter) if dequant else 0)
+    assert bool(launches) == (kernel and bool(torch.cuda.is_available() or _interpreted()))
     torch.testing.assert_close(got, _logits(pm, ids), rtol=1e-5, atol=1e-5)
     calls.clear()
     with torch.no_grad():
