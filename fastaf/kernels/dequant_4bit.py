@@ -45,6 +45,8 @@ def dequant_4bit(packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[t
     """Write the dense weight into ``out`` (N, K), contiguous, float: ``packed`` holds N * K / 2
     bytes, ``absmax`` one value per ``blocksize`` values (uint8 when ``nested_blocksize``, with
     ``absmax2`` one fp32 per ``nested_blocksize`` absmaxes, ``code2`` 256 fp32, ``offset`` 0-d)."""
+    import triton
+
     from .dequant_4bit_kernels import _dequant_4bit_kernel
 
     n_bytes = out.numel() // 2
@@ -52,14 +54,10 @@ def dequant_4bit(packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[t
     nested = nested_blocksize > 0
     code = code_table(quant_type, packed.device)
     dummy = absmax  # unread pointers where not nested
-    _dequant_4bit_kernel[(triton_cdiv(n_bytes, block),)](
+    _dequant_4bit_kernel[(triton.cdiv(n_bytes, block),)](
         packed, absmax, absmax2 if nested else dummy, code2 if nested else dummy,
         offset.reshape(1).to(torch.float32) if nested else dummy, code, out, n_bytes,
         BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=max(nested_blocksize, 1), NESTED=nested, BLOCK_BYTES=block,
         num_warps=4, enable_fp_fusion=False,  # code2 * absmax2 + offset rounded twice, as bitsandbytes' two ops
     )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

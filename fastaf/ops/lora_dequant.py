@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _config
 from .._adapter import LoRA
 from .lora_linear import _as_dtype, _autocast, _direct_bwd, _direct_fwd, _kernel_factor, _use_triton, check_use
 from ._levels import _direct_ok, _traced_apply, interpreter_stack
@@ -142,15 +143,9 @@ def dequantize(layout: Layout4bit, packed: Tensor, absmax: Tensor, absmax2: Opti
 
 def _kernel_ok(packed: Tensor, layout: Layout4bit) -> bool:
     """fastaf's kernel takes the weight: on CUDA or interpreted (``FASTAF_DEQUANT_KERNEL``)."""
-    if not _flags().dequant_kernel:
+    if not _config.flags().dequant_kernel:
         return False
     return _kernel().supported(packed, layout.blocksize)
-
-
-def _flags():
-    from .. import _config  # the switches sit above the ops in the house; read at call time
-
-    return _config.flags()
 
 
 def _dense(layout: Layout4bit, tensors: tuple, dtype: torch.dtype) -> Tensor:
