@@ -17,6 +17,9 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   i % 16 (``fa.stack`` + ``adapter_ids``; PEFT's ``adapter_names``).
 - fwd-base, fwd-peft, fwd-fastaf, fwd-fastaf-init: one ``no_grad`` forward of 4 x 128 tokens, ms
   (do_bench): the host cost of an adapted layer, which eager decoding pays at every step.
+- A/B providers, the same under a switch (``fastaf._config``): ``-cublas`` with
+  ``eager_decode_kernel`` off (eager steps add the LoRA with cuBLAS's mm + addmm_ instead of one
+  Triton launch), ``fastaf-static-unshared`` with ``group`` off (each sibling its own shrink launch).
 Before timing, each generate provider's prefill logits are checked against an fp32 reference (the
 adapters applied by ``fa.functional_call`` on an fp32 copy); greedy tokens of a random-weight model
 diverge between correct bf16 paths, so tokens are not compared. Rows go to
@@ -44,6 +47,9 @@ RANK, ALPHA, MIXED = 16, 32, 16
 GENERATE = ["base", "base-static", "peft", "peft-static", "fastaf", "fastaf-static", "fastaf-init",
             "fastaf-init-static", "fastaf-mixed16", "fastaf-mixed16-static", "peft-mixed16"]
 FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
+# the same providers under a switch, for A/Bs in one process: provider suffix -> flags
+SWITCHED = {"-cublas": dict(eager_decode_kernel=False), "-unshared": dict(group=False)}
+AB = ["fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas", "fastaf-static-unshared"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2
@@ -99,9 +105,9 @@ def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: tor
     per_row = [adapters[i % len(adapters)] for i in range(rows)]  # the mixed providers' (16 adapters made for them)
     row_ids = torch.arange(rows, device=ids.device) % MIXED
     stack = fa.stack(adapters) if any("mixed" in n for n in names) else None
-    need_peft = [n for n in names if n.startswith("peft")]
+    need_peft = [n for n in names if n.startswith(("peft", "fwd-peft"))]
     pm = peft_model(model, adapters if "peft-mixed16" in names else [one]) if need_peft else None
-    inited = stateful(model, one) if any(n.startswith("fastaf-init") for n in names) else None
+    inited = stateful(model, one) if any("fastaf-init" in n for n in names) else None
     static = dict(cache_implementation="static")
     table = {
         "base": (lambda **kw: model.generate(ids, **kw), None),
@@ -124,7 +130,25 @@ def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: tor
         "fwd-fastaf": lambda x: fa.functional_call(model, one, (x,)).logits,
         "fwd-fastaf-init": lambda x: inited(x).logits,
     }
+    for name in names:  # A/B providers: their provider under the suffix's flags
+        for suffix, flags in SWITCHED.items():
+            if name.endswith(suffix):
+                for providers in (table, forward):
+                    if name[:-len(suffix)] in providers:
+                        providers[name] = _switched(providers[name[:-len(suffix)]], flags)
     return table, forward
+
+
+def _switched(provider, flags: dict):
+    """``provider`` (a generate entry or a forward) run under ``_config.override(**flags)``."""
+    from fastaf import _config
+
+    def under(fn):
+        def run(*args, **kw):
+            with _config.override(**flags):
+                return fn(*args, **kw)
+        return run
+    return (under(provider[0]), provider[1]) if isinstance(provider, tuple) else under(provider)
 
 
 def reference_prefill(model32, ids: torch.Tensor, per_row: list[fa.Adapter] | None) -> torch.Tensor:
@@ -142,15 +166,17 @@ def reference_prefill(model32, ids: torch.Tensor, per_row: list[fa.Adapter] | No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     # the forwards first: eager forwards measured up to 1.5x slower after the -static providers compiled
-    ap.add_argument("--providers", default=",".join(FORWARD + GENERATE), help="comma-separated")
+    ap.add_argument("--providers", default=",".join(FORWARD + [n for n in AB if n.startswith("fwd-")] + GENERATE
+                                                    + [n for n in AB if not n.startswith("fwd-")]),
+                    help="comma-separated")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 prompts x 16, 8 new tokens (a smoke test)")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default generate)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-ups; each provider's best is kept")
     args = ap.parse_args()
     names = [n for n in args.providers.split(",") if n]
-    unknown = sorted(set(names) - set(GENERATE) - set(FORWARD))
+    unknown = sorted(set(names) - set(GENERATE) - set(FORWARD) - set(AB))
     if unknown:
-        raise SystemExit(f"unknown providers {unknown}; known: {GENERATE + FORWARD}")
+        raise SystemExit(f"unknown providers {unknown}; known: {GENERATE + FORWARD + AB}")
     torch._dynamo.config.recompile_limit = 64  # one model's call compiled for several providers
     results = H.Results(args.name or ("generate-tiny" if args.tiny else "generate"), CASE, FIGURES)
     device = "cuda" if torch.cuda.is_available() else "cpu"

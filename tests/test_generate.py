@@ -102,6 +102,35 @@ def test_a_compiled_decode_reads_the_adapter_and_ids_from_static_tensors_kept_pe
     assert len([k for k in _generate._STATIC[model] if k[0] == "adapter"]) == 2  # one per structure
 
 
+@needs_interpreter
+def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(monkeypatch):
+    """On CUDA a compiled decoding step adds each LoRA with the decode kernels; q/k/v (with o_proj,
+    the structure's guess) and gate/up take their h from one shrink launch over their shared input,
+    then one expand each. Here the kernels run interpreted on CPU where CUDA would run them."""
+    from fastaf.kernels import lora_decode as kernels
+    from fastaf.ops import lora_decode
+
+    monkeypatch.setattr(lora_decode, "_use_kernel", lambda x, lora, impl: impl != "addmm" and x.shape[0] <= 64
+                        and kernels.supported(x, lora.A, lora.B) and kernels.wins(x))
+    shrinks, expands = [], []
+    shrink, expand = kernels.shrink, kernels.expand
+    monkeypatch.setattr(kernels, "shrink", lambda x, factors, *a, **k: shrinks.append(len(factors)) or shrink(x, factors, *a, **k))
+    monkeypatch.setattr(kernels, "expand", lambda *a, **k: expands.append(1) or expand(*a, **k))
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = random_adapter(model, targets, r=4, seed=1)
+    new = dict(max_new_tokens=3, do_sample=False)
+    want = fa.generate(model, adapter, ids, **new)
+    torch._dynamo.reset()
+    got = fa.generate(model, adapter, ids, **new, **_static())
+    assert torch.equal(got, want)
+    steps, layers = 2, model.config.num_hidden_layers  # the decode steps after the (eager) prefill
+    # per layer: q/k/v with o_proj guessed, o_proj alone, gate/up, down_proj alone
+    assert sorted(shrinks) == sorted([4, 1, 2, 1] * layers * steps), shrinks
+    assert len(expands) == len(targets) * layers * steps
+
+
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
     base = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)

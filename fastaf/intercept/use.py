@@ -17,8 +17,8 @@ from torch import Tensor
 
 from .. import _config
 from .._adapter import LoRA
-from ..ops import PLAIN_TYPES, check_rows, decoding, lora_branch, lora_branch_multi, \
-    lora_linear_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, \
+from ..ops import PLAIN_TYPES, check_rows, decoding, expanded_decode, lora_branch, lora_branch_multi, \
+    lora_decode_shrink, lora_linear_decode, shares_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, \
     shareable, shared_h_fanned, transform_levels
 from ..ops.lora_dequant import Layout4bit, Packed4bit, dequantize, lora_linear_4bit
 
@@ -49,6 +49,11 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
             y = routed_lora_linear(x, weight, bias, route.lora, mode.impl, route.module.training, route.path)
             mode.groups.saw(route, x)
         return y
+    if route.siblings and flags.group and mode.traced and not torch.is_grad_enabled():
+        # a compiled decoding step: q/k/v (gate/up) take h from one shrink launch over x
+        shared = _shared_decode(mode, route, x)
+        if shared is not None:  # (not under autocast: _shared_decode declines there)
+            return expanded_decode(x, weight, bias, *shared, route.lora)
     share = flags.share_input
     # "compiled": a mode made inside the trace (functional_call under torch.compile); one made
     # eagerly around a compiled block holds its shared h across the block's calls, which a graph
@@ -74,7 +79,7 @@ def _shared_h(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, Tensor | None, 
     version = 0 if torch.compiler.is_compiling() else x._version
     # A slice is taken once: a layer that runs again (the next pass of a held mode, a module
     # applied twice) starts a new group, as does an input changed in place since.
-    fresh = slot is not None and route.path in slot[2] and route.path not in slot[3]
+    fresh = slot is not None and slot[4] == "h" and route.path in slot[2] and route.path not in slot[3]
     if fresh and slot[0] is x and slot[1] == version:
         slot[3].add(route.path)
         return slot[2][route.path]
@@ -92,8 +97,33 @@ def _shared_h(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, Tensor | None, 
     # gradients, and a Conv1D's (K, N) weight is not what its tokens are shaped by
     fanned = weights if all(type(r.weight) in PLAIN_TYPES and not r.spec.transposed for r in group) else ()
     hs, tokens = shared_h_fanned(x, loras, fanned, impl=mode.impl)
-    mode.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path})
+    mode.shared = (x, version, {r.path: s for r, s in zip(group, zip(hs, tokens, weights))}, {route.path}, "h")
     return hs[0], tokens[0], weights[0]
+
+
+def _shared_decode(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, int] | None:
+    """``route``'s (partials, index) from one ``lora_decode_shrink`` launch over ``x`` shared with
+    its siblings, in a traced call with grad off, or None (it decodes alone). Held in the mode's
+    ``shared`` slot, as ``_shared_h``'s h: a write to x in place drops it (the mode's
+    ``__torch_function__``), and each sibling takes its slice once."""
+    slot = mode.shared
+    fresh = slot is not None and slot[4] == "decode" and route.path in slot[2] and route.path not in slot[3]
+    if fresh and slot[0] is x:
+        slot[3].add(route.path)
+        return slot[2][route.path]
+    if torch.is_autocast_enabled(x.device.type) or x.dim() < 2:
+        return None
+    # another input: the siblings that have not run on the current one (o_proj alone), as _shared_h
+    ran = slot[3] if fresh else ()
+    group = [route] + [r for r in route.siblings if r is not route and r.path not in ran]
+    if any(r.module.training and r.lora.dropout for r in group):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if not shares_decode(x2, [r.lora for r in group], mode.impl):
+        return None
+    part = lora_decode_shrink(x2, [r.lora.A for r in group])
+    mode.shared = (x, 0, {r.path: (part, i) for i, r in enumerate(group)}, {route.path}, "decode")
+    return part, 0
 
 
 def branch_output(path: str, module: Any, args: tuple, output: Any, lora: LoRA, ids: Any = None) -> Tensor:

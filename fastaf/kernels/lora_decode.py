@@ -2,7 +2,8 @@
 
 The base GEMM stays cuBLAS's (``F.linear``); these kernels add the LoRA to its output: a shrink
 split over K (``_decode_shrink_kernel``, partial h per split, no memset) and an expand that sums
-the partials (``_decode_expand_kernel``). At a decoding step's few rows each launch costs mostly
+the partials (``_decode_expand_kernel``). One shrink reads up to four siblings' A (``shrink``:
+q/k/v on one x), each then expanded into its own output (``expand``). At a decoding step's few rows each launch costs mostly
 its fixed latency, and inside a CUDA graph (a compiled decoding step) nothing else: cuBLAS's
 ``mm`` + ``addmm_`` take two launches too, but their shrink runs K serially in few programs
 (``bench/decode.py``, H200, 32 rows, per layer over the base GEMM: 8.1 us at K = 2048 and 7.8 at
@@ -17,11 +18,13 @@ import torch
 
 from . import launch_sites
 from .hardware import available
-from .lora_decode_kernels import _decode_expand_kernel, _decode_shrink_kernel
+from .lora_decode_kernels import _decode_expand_kernel, _decode_fused_kernel, _decode_shrink_kernel
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 
 MAX_ROWS = 64  # the (BLOCK_M, BLOCK_K) x tile and (BLOCK_M, R_PAD) h stay in registers
+FUSED_MAX_ROWS = 1024  # rows add_lora_fused takes (in row blocks of at most FUSED_BLOCK_M)
+FUSED_BLOCK_M = 64
 MAX_PARTIAL_ROWS = 1024  # partial rows an expand program sums at most where the kernels win (``wins``)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the shrink's K tile, the K each split covers, the expand's N tile, warps and stages;
@@ -29,8 +32,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CUDA_CONFIG = dict(BLOCK_K=128, K_PER_SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=3)
 INTERPRET_CONFIG = dict(BLOCK_K=16, K_PER_SPLIT=32, BLOCK_N=16, num_warps=4, num_stages=1)
 
-SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 3, 7)  # pointers, ints (see launch_sites)
+SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 6, 10)  # pointers, ints (see launch_sites)
 EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
+FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
+MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
 _MEMOS.append(_plans)
 
@@ -40,6 +45,14 @@ def supported(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     rank <= MAX_RANK."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and available(x) and x.dtype in _DTYPES
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
+
+
+def shares(a: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    """One shrink launch can read ``a`` with ``others`` (at most MAX_SIBLINGS in all): one dtype,
+    one K and the same strides (the kernel takes one pair of A strides)."""
+    return len(others) < MAX_SIBLINGS and all(
+        o.dtype == a.dtype and o.shape[1] == a.shape[1] and o.stride() == a.stride() and o.shape[0] <= MAX_RANK
+        for o in others)
 
 
 def wins(x: torch.Tensor) -> bool:
@@ -52,23 +65,83 @@ def wins(x: torch.Tensor) -> bool:
     return M * -(-K // conf["K_PER_SPLIT"]) <= MAX_PARTIAL_ROWS
 
 
-def _plan(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict | None) -> tuple:
-    """(shrink grid, shrink meta, its key, expand grid, expand meta, its key), memoized per shape:
-    the launcher runs at every adapted layer of every eager step."""
-    (M, K), (N, R) = x.shape, b.shape
-    memo = (x.device, x.dtype, a.dtype, b.dtype, _tf32(x.dtype), M, N, K, R,
+def _shrink_plan(x: torch.Tensor, a_dtype: torch.dtype, n: int, rank: int, config: dict | None) -> tuple:
+    """(grid, meta, its key) of a shrink over x (M, K) for ``n`` siblings' A of at most ``rank``,
+    memoized: the launcher runs at every adapted layer of every eager step."""
+    M, K = x.shape
+    memo = ("shrink", x.device, x.dtype, a_dtype, _tf32(x.dtype), M, K, n, rank,
             None if config is None else tuple(config.items()))
     plan = _plans.get(memo)
     if plan is None:
         conf = dict(CUDA_CONFIG if x.is_cuda else INTERPRET_CONFIG, **(config or {}))
         block_m = padded_rank(M)  # tl.dot's 16, else the next power of two
         split = max(1, -(-K // conf["K_PER_SPLIT"]))
-        common = dict(R_PAD=padded_rank(R), BLOCK_M=block_m, SPLIT_K=split, DOT_PRECISION=_dot_precision(x.dtype),
-                      num_warps=conf["num_warps"])
-        plan = _plans[memo] = (
-            (-(-M // block_m), split), *_meta(BLOCK_K=conf["BLOCK_K"], num_stages=conf["num_stages"], **common),
-            (-(-N // conf["BLOCK_N"]), -(-M // block_m)), *_meta(BLOCK_N=conf["BLOCK_N"], num_stages=1, **common))
+        plan = _plans[memo] = ((-(-M // block_m), split, n), *_meta(
+            R_PAD=padded_rank(rank), BLOCK_M=block_m, BLOCK_K=conf["BLOCK_K"], SPLIT_K=split,
+            DOT_PRECISION=_dot_precision(x.dtype), num_warps=conf["num_warps"], num_stages=conf["num_stages"]))
     return plan
+
+
+def _expand_plan(y: torch.Tensor, split: int, r_pad: int, config: dict | None) -> tuple:
+    """(grid, meta, its key) of an expand into y (M, N) summing ``split`` partials of ``r_pad``
+    columns (the shrink's), memoized."""
+    M, N = y.shape
+    memo = ("expand", y.device, y.dtype, _tf32(y.dtype), M, N, split, r_pad,
+            None if config is None else tuple(config.items()))
+    plan = _plans.get(memo)
+    if plan is None:
+        conf = dict(CUDA_CONFIG if y.is_cuda else INTERPRET_CONFIG, **(config or {}))
+        block_m = padded_rank(M)
+        plan = _plans[memo] = ((-(-N // conf["BLOCK_N"]), -(-M // block_m)), *_meta(
+            R_PAD=r_pad, BLOCK_M=block_m, BLOCK_N=conf["BLOCK_N"], SPLIT_K=split,
+            DOT_PRECISION=_dot_precision(y.dtype), num_warps=conf["num_warps"], num_stages=1))
+    return plan
+
+
+def part_shape(x: torch.Tensor, rank: int, n: int) -> tuple[int, int, int, int]:
+    """``shrink``'s output shape for x (M, K) and ``n`` A's of at most ``rank``."""
+    grid, meta, _ = _shrink_plan(x, x.dtype, n, rank, None)
+    return n, grid[1], x.shape[0], meta["R_PAD"]
+
+
+def shrink(x: torch.Tensor, factors: list[torch.Tensor], config: dict | None = None) -> torch.Tensor:
+    """The partial h of every A in ``factors`` over x, in one launch, for ``expand``.
+
+    Args:
+        x: (M, K), M <= MAX_ROWS (``supported``).
+        factors: 1 to MAX_SIBLINGS A's (R_i, K), one dtype and strides (``shares``).
+        config: overrides of ``CUDA_CONFIG``'s keys (benchmarks sweep tiles).
+    Returns:
+        fp32 (len(factors), SPLIT_K, M, R_PAD): sibling i's partials are ``[i]``.
+    """
+    (M, K), a = x.shape, factors[0]
+    rank = max(f.shape[0] for f in factors)
+    grid, meta, key = _shrink_plan(x, a.dtype, len(factors), rank, config)
+    part = torch.empty((len(factors), grid[1], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
+    ptrs = (factors + [a] * MAX_SIBLINGS)[:MAX_SIBLINGS]
+    ranks = [f.shape[0] for f in ptrs]
+    SHRINK(grid, (x, *ptrs, part, M, K, *ranks, x.stride(0), x.stride(1), a.stride(0), a.stride(1)), meta, key)
+    return part
+
+
+def expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+           config: dict | None = None) -> torch.Tensor:
+    """out = y + scale * h @ b.T, h the sum of one sibling's partials (``shrink(...)[i]``); returns
+    out (y itself, updated in place, by default).
+
+    Args:
+        y: (M, N) in x's dtype, any strides (a linear map's fresh output).
+        part: (SPLIT_K, M, R_PAD) fp32, contiguous: one sibling's slice of ``shrink``'s output.
+        b: (N, R), float16 / bfloat16 / float32, any strides, R <= R_PAD.
+        scale: the LoRA's scale.
+        out: (M, N) in y's dtype, any strides, or None (in place).
+    """
+    (M, N), R = y.shape, b.shape[1]
+    grid, meta, key = _expand_plan(y, part.shape[0], part.shape[2], config)
+    out = y if out is None else out
+    EXPAND(grid, (part, b, y, out, M, N, R, b.stride(0), b.stride(1), y.stride(0), y.stride(1), out.stride(0),
+            out.stride(1), float(scale)), meta, key)
+    return out
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
@@ -83,11 +156,38 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         out: (M, N) in y's dtype, any strides, or None (in place).
         config: overrides of ``CUDA_CONFIG``'s keys (benchmarks sweep tiles).
     """
+    return expand(y, shrink(x, [a], config)[0], b, scale, out, config)
+
+
+def fused_supported(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``add_lora_fused`` can run: x (M, K) with M <= FUSED_MAX_ROWS on CUDA (or interpreted),
+    float dtypes, rank <= MAX_RANK."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and available(x) and x.dtype in _DTYPES
+            and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
+
+
+def _fused_plan(x: torch.Tensor, y: torch.Tensor, rank: int) -> tuple:
+    """(grid, meta, its key) of ``add_lora_fused`` for x (M, K), y (M, N), memoized."""
+    (M, K), N = x.shape, y.shape[1]
+    memo = ("fused", x.device, x.dtype, _tf32(x.dtype), M, N, K, rank)
+    plan = _plans.get(memo)
+    if plan is None:
+        conf = CUDA_CONFIG if x.is_cuda else INTERPRET_CONFIG
+        block_m = min(padded_rank(M), FUSED_BLOCK_M)
+        plan = _plans[memo] = ((-(-N // conf["BLOCK_N"]), -(-M // block_m)), *_meta(
+            R_PAD=padded_rank(rank), BLOCK_M=block_m, BLOCK_N=conf["BLOCK_N"], BLOCK_K=conf["BLOCK_K"],
+            DOT_PRECISION=_dot_precision(x.dtype), num_warps=conf["num_warps"], num_stages=conf["num_stages"]))
+    return plan
+
+
+def add_lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """y += scale * (x @ a.T) @ b.T in place, in one launch (``_decode_fused_kernel``): each
+    program computes all of h for its block of rows. An eager inference call of up to
+    ``FUSED_MAX_ROWS`` rows is bound by host time, where one launch costs less than a split pair
+    or cuBLAS's ``mm`` + ``addmm_``. y (M, N), x (M, K) (``fused_supported``), a (R, K), b (N, R)
+    in any float dtype and strides; returns y."""
     (M, K), (N, R) = x.shape, b.shape
-    s_grid, s_meta, s_key, e_grid, e_meta, e_key = _plan(x, a, b, config)
-    part = torch.empty((s_grid[1], M, s_meta["R_PAD"]), device=x.device, dtype=torch.float32)
-    SHRINK(s_grid, (x, a, part, M, K, R, x.stride(0), x.stride(1), a.stride(0), a.stride(1)), s_meta, s_key)
-    out = y if out is None else out
-    EXPAND(e_grid, (part, b, y, out, M, N, R, b.stride(0), b.stride(1), y.stride(0), y.stride(1), out.stride(0),
-                    out.stride(1), float(scale)), e_meta, e_key)
-    return out
+    grid, meta, key = _fused_plan(x, y, R)
+    FUSED(grid, (x, a, b, y, y, M, N, K, R, x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0),
+                 b.stride(1), y.stride(0), y.stride(1), y.stride(0), y.stride(1), float(scale)), meta, key)
+    return y

@@ -3,9 +3,13 @@
     out[m, n] = y[m, n] + s * (x[m] @ A.T) @ B[n].T     x (M, K), A (R, K), B (N, R), y, out (M, N), M <= 64
 
 ``_decode_shrink_kernel``: partial h over one of SPLIT_K chunks of K, stored to its own slice of
-an fp32 (SPLIT_K, M, R_PAD) buffer (no atomics, so no zeroed buffer: no memset launch).
-``_decode_expand_kernel``: h = the sum of the slices, rounded to x's dtype as the reference's
-``x @ A.T``; out tile = y tile + s * h @ B[tile].T. out may be y itself (in place).
+an fp32 (S, SPLIT_K, M, R_PAD) buffer (no atomics, so no zeroed buffer: no memset launch), for
+up to four siblings' A at once (q/k/v read one x: one launch for all, the grid's third axis
+picks the sibling).
+``_decode_expand_kernel``: h = the sum of one sibling's slices, rounded to x's dtype as the
+reference's ``x @ A.T``; out tile = y tile + s * h @ B[tile].T. out may be y itself (in place).
+``_decode_fused_kernel``: both in one launch, each program computing all of its rows' h (eager
+inference calls, bound by host time per launch).
 
 Why two launches: one kernel that computes the whole h in every program of the expand reads
 all of x and A per program, and at K = 8192 that is what it waits on: it lost to cuBLAS's
@@ -16,28 +20,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_shrink_kernel(
-    # pointers
-    x_ptr, a_ptr, part_ptr,
-    # sizes
-    M, K, R,
-    # strides (part is contiguous fp32 (SPLIT_K, M, R_PAD))
-    stride_xm, stride_xk, stride_ar, stride_ak,
-    # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """part[split, rows] = x[rows, chunk] @ A[:, chunk].T. A is read in its own dtype (fp32
-    masters) and cast to x's in registers; columns past R store zeros."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _h_over(x_ptr, a_ptr, offs_m, mask_m, k_start, k_end, R, stride_xm, stride_xk, stride_ar, stride_ak,
+            R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x[rows, k_start:k_end] @ A[:, k_start:k_end].T, fp32 (BLOCK_M, R_PAD): A read in its own
+    dtype (fp32 masters) and cast to x's in registers; columns past R are zeros."""
     offs_r = tl.arange(0, R_PAD)
-    mask_m = offs_m < M
-    chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_end = tl.minimum(pid_k * chunk + chunk, K)
     acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    for k0 in range(pid_k * chunk, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
@@ -45,7 +34,61 @@ def _decode_shrink_kernel(
         at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                      mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
         acc = tl.dot(x, at.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * R_PAD + offs_r[None, :], acc, mask=mask_m[:, None])
+    return acc
+
+
+@triton.jit
+def _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
+            stride_om, stride_on, scale, R_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out tile = y tile + s * h @ B[tile].T, h (BLOCK_M, R_PAD) fp32 rounded to y's dtype first,
+    as the reference's ``x @ A.T``."""
+    dtype = y_ptr.dtype.element_ty
+    offs_r = tl.arange(0, R_PAD)
+    bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                 mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
+    up = tl.dot(h.to(dtype), bt.to(dtype), input_precision=DOT_PRECISION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = tl.load(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, mask=mask, other=0.0)
+    out = y.to(tl.float32) + scale * up
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _decode_shrink_kernel(
+    # pointers: x, up to four siblings' A (unused ones repeat a0), the partials
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, part_ptr,
+    # sizes: each sibling's rank
+    M, K, R0, R1, R2, R3,
+    # strides (every A has the same; part is contiguous fp32 (S, SPLIT_K, M, R_PAD))
+    stride_xm, stride_xk, stride_ar, stride_ak,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """part[sib, split, rows] = x[rows, chunk] @ A_sib[:, chunk].T. A is read in its own dtype
+    (fp32 masters) and cast to x's in registers; columns past the sibling's rank store zeros."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    sib = tl.program_id(2)
+    a_ptr = a0_ptr
+    R = R0
+    if sib == 1:
+        a_ptr = a1_ptr
+        R = R1
+    elif sib == 2:
+        a_ptr = a2_ptr
+        R = R2
+    elif sib == 3:
+        a_ptr = a3_ptr
+        R = R3
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R_PAD)
+    mask_m = offs_m < M
+    chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    acc = _h_over(x_ptr, a_ptr, offs_m, mask_m, pid_k * chunk, tl.minimum(pid_k * chunk + chunk, K), R, stride_xm,
+                  stride_xk, stride_ar, stride_ak, R_PAD, BLOCK_M, BLOCK_K, DOT_PRECISION)
+    rows = (sib * SPLIT_K + pid_k) * M + offs_m
+    tl.store(part_ptr + rows[:, None] * R_PAD + offs_r[None, :], acc, mask=mask_m[:, None])
 
 
 @triton.jit
@@ -65,7 +108,6 @@ def _decode_expand_kernel(
     """out tile = y tile + s * h[rows] @ B[tile].T, h the sum of the shrink's SPLIT_K slices."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    dtype = y_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
@@ -74,10 +116,34 @@ def _decode_expand_kernel(
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for s in range(SPLIT_K):
         h += tl.load(part_ptr + (s * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=mask_m[:, None], other=0.0)
-    bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                 mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
-    up = tl.dot(h.to(dtype), bt.to(dtype), input_precision=DOT_PRECISION)  # h rounded as the reference's
-    mask = mask_m[:, None] & mask_n[None, :]
-    y = tl.load(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, mask=mask, other=0.0)
-    out = y.to(tl.float32) + scale * up
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype), mask=mask)
+    _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
+            stride_om, stride_on, scale, R_PAD, DOT_PRECISION)
+
+
+@triton.jit
+def _decode_fused_kernel(
+    # pointers
+    x_ptr, a_ptr, b_ptr, y_ptr, out_ptr,
+    # sizes
+    M, N, K, R,
+    # strides
+    stride_xm, stride_xk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn, stride_om, stride_on,
+    # scalars
+    scale,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out tile = y tile + s * (x[rows] @ A.T) @ B[tile].T in one launch: every program computes
+    the whole h of its rows (all of x and A, from L2 after the first), then its tile. For eager
+    decoding, which host time bounds: one launch where the split pair takes two."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    h = _h_over(x_ptr, a_ptr, offs_m, mask_m, 0, K, R, stride_xm, stride_xk, stride_ar, stride_ak, R_PAD, BLOCK_M,
+                BLOCK_K, DOT_PRECISION)
+    _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
+            stride_om, stride_on, scale, R_PAD, DOT_PRECISION)

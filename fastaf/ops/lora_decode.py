@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _config
 from .._adapter import LoRA
@@ -73,6 +74,54 @@ def _add_fake(y: Tensor, x: Tensor, a: Tensor, b: Tensor, scale: float) -> Tenso
     return torch.empty_like(y)
 
 
+def part_shape(x: Tensor, factors: list[Tensor]) -> tuple[int, int, int, int]:
+    """The shape of ``lora_decode_shrink``'s partials for x (M, K) and siblings' A (R_i, K):
+    (siblings, splits of K, M, padded rank) where the kernels run, one split elsewhere."""
+    rank = max(a.shape[0] for a in factors)
+    kernels = _kernels()
+    if kernels.supported(x, factors[0], factors[0]):
+        return kernels.part_shape(x, rank, len(factors))
+    return len(factors), 1, x.shape[0], rank
+
+
+def _shrink_impl(x: Tensor, factors: list[Tensor]) -> Tensor:
+    """Every sibling's partial h over x (M, K) in one launch (``kernels.lora_decode.shrink``), or
+    the reference's x @ A_i.T as one split where the kernels do not run. fp32 ``part_shape``."""
+    kernels = _kernels()
+    if kernels.supported(x, factors[0], factors[0]):
+        return kernels.shrink(x, list(factors))
+    part = x.new_zeros(part_shape(x, factors), dtype=torch.float32)
+    for i, a in enumerate(factors):
+        part[i, 0, :, :a.shape[0]] = (x @ _as_dtype(a, x.dtype).T).float()
+    return part
+
+
+lora_decode_shrink = torch.library.custom_op("fastaf::lora_decode_shrink", mutates_args=())(_shrink_impl)
+
+
+@lora_decode_shrink.register_fake
+def _shrink_fake(x: Tensor, factors: list[Tensor]) -> Tensor:
+    return x.new_empty(part_shape(x, factors), dtype=torch.float32)
+
+
+def _expand_impl(y: Tensor, part: Tensor, index: int, b: Tensor, scale: float) -> Tensor:
+    """y + scale * h @ b.T as a fresh (M, N) tensor, h sibling ``index``'s partials summed and
+    rounded to y's dtype (``kernels.lora_decode.expand``, or the same in torch ops)."""
+    kernels = _kernels()
+    if kernels.supported(y, b.T, b):
+        return kernels.expand(y, part[index], b, scale, out=torch.empty_like(y))
+    h = part[index].sum(0)[:, :b.shape[1]].to(y.dtype)  # (M, R)
+    return torch.addmm(y, h, _as_dtype(b, y.dtype).T, alpha=float(scale))
+
+
+lora_decode_expand = torch.library.custom_op("fastaf::lora_decode_expand", mutates_args=())(_expand_impl)
+
+
+@lora_decode_expand.register_fake
+def _expand_fake(y: Tensor, part: Tensor, index: int, b: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(y)
+
+
 # ---- 3. functions ----------------------------------------------------------------------------
 
 
@@ -95,15 +144,37 @@ def _use_kernel(x: Tensor, lora: LoRA, impl: str) -> bool:
             and _kernels().supported(x, lora.A, lora.B) and _kernels().wins(x))
 
 
+# factor -> (its version, dtype, the factor cast to it): eager decoding casts fp32 masters once
+# while they stay as they are, not at every call (two launches per adapted layer per step)
+_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def decode_factor(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, for an eager inference call: cast once per version of ``t`` (held while
+    ``t`` lives), since a grad-off call records nothing that a cached copy could break."""
+    if t.dtype == dtype:
+        return t
+    held = _CASTS.get(t)
+    if held is None or held[0] != t._version or held[1] != dtype:
+        held = _CASTS[t] = (t._version, dtype, t.detach().to(dtype))
+    return held[2]
+
+
 def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
     """``y += lora.scale * (x @ A.T) @ B.T`` in place, eager, grad off: y (M, N) a linear map's
     fresh output on x (M, K) (the stateful layer adds a decoding step's LoRA to ``nn.Linear``'s
-    own output this way). cuBLAS's ``mm`` and ``addmm_``: eagerly a step is host-bound, and two
-    cuBLAS calls cost less host time than the decode kernels' launches (H200, 1B shape, 32 x 64
-    tokens: ``fa.generate`` 1.10 s against 1.21 with the kernels, the stateful layer 1.17 against
-    1.34; ``bench/results/generate-decode-ab.csv``). Returns y."""
-    h = torch.mm(x, _as_dtype(lora.A, x.dtype).T)  # (M, R)
-    return y.addmm_(h, _as_dtype(lora.B, x.dtype).T, alpha=float(lora.scale))
+    own output this way). Eagerly such a call is bound by host time per launch: on CUDA one Triton
+    launch (``kernels.lora_decode.add_lora_fused``, the factors read as they are), else (or with
+    ``eager_decode_kernel`` off) cuBLAS's ``mm`` + ``addmm_`` on factors cast once
+    (``decode_factor``): two cuBLAS calls cost less host time than the split pair of decode
+    launches (H200, 1B shape, 32 x 64 tokens: ``fa.generate`` 1.10 s against 1.21, the stateful
+    layer 1.17 against 1.34; ``bench/results/generate-decode-ab.csv``). Returns y."""
+    if x.is_cuda and _config.flags().eager_decode_kernel:
+        kernels = _kernels()
+        if kernels.fused_supported(x, lora.A, lora.B):
+            return kernels.add_lora_fused(y, x, lora.A, lora.B, float(lora.scale))
+    h = torch.mm(x, decode_factor(lora.A, x.dtype).T)  # (M, R)
+    return y.addmm_(h, decode_factor(lora.B, x.dtype).T, alpha=float(lora.scale))
 
 
 def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str) -> Tensor:
@@ -155,6 +226,25 @@ def added_lora(y: Tensor, x: Tensor, lora: LoRA, impl: str = "auto") -> Tensor:
         return lora_decode_add(y, x, lora.A, lora.B, float(lora.scale))
     a, b = _as_dtype(lora.A, x.dtype), _as_dtype(lora.B, x.dtype)
     return y + float(lora.scale) * F.linear(F.linear(x, a), b)
+
+
+def shares_decode(x: Tensor, loras: list[LoRA], impl: str) -> bool:
+    """Siblings on x (M, K) (traced, grad off, ``decoding``'s conditions but tracing) can take
+    their h from one shrink launch (``lora_decode_shrink``): each takes the decode kernel alone,
+    and their A's one launch reads (``kernels.lora_decode.shares``)."""
+    if len(loras) < 2 or any(lo.stacked or lo.experts for lo in loras):
+        return False
+    if not all(_use_kernel(x, lo, impl) for lo in loras):
+        return False
+    return _kernels().shares(loras[0].A, [lo.A for lo in loras[1:]])
+
+
+def expanded_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Tensor, index: int, lora: LoRA) -> Tensor:
+    """``traced_decode`` given this sibling's partial h (``lora_decode_shrink(...)``, ``index``):
+    the base GEMM, then one expand launch. x (..., K) -> (..., N)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    y = lora_decode_expand(F.linear(x2, weight, bias), part, index, lora.B, float(lora.scale))
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def traced_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str) -> Tensor:

@@ -52,6 +52,20 @@ def test_the_kernel_adds_the_lora_in_place_or_into_out(M, dtype, factor_dtype):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("M", [1, 3, 64, 130])
+@pytest.mark.parametrize("dtype,factor_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32)])
+def test_the_one_launch_kernel_adds_the_lora_in_place(M, dtype, factor_dtype):
+    # eager inference's kernel: K and N off the interpreter's tiles, rank 17 past tl.dot's 16,
+    # 130 rows in three row blocks
+    from fastaf.kernels import lora_decode
+
+    x, w, b, lo = make(M, K=72, N=40, r=17, dtype=dtype, factor_dtype=factor_dtype, lead=())
+    y = torch.nn.functional.linear(x, w, b)
+    assert lora_decode.add_lora_fused(y, x, lo.A.T.contiguous().T, lo.B, lo.scale) is y
+    assert_close(y, ref(x, w, b, lo), dtype)
+
+
+@needs_interpreter
 def test_the_kernel_takes_rank_above_sixteen_and_strided_rows():
     from fastaf.kernels import lora_decode
 
@@ -70,6 +84,50 @@ def test_the_op_traces_with_its_fake_and_runs_the_kernel_compiled():
     out = step(y, x)
     assert out is not y and out.shape == y.shape
     assert_close(out, ref(x, w, b, lo), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("factor_dtype", [torch.float16, torch.float32])
+def test_one_shrink_launch_serves_siblings_of_different_ranks_and_widths(M, factor_dtype):
+    # q/k/v-like siblings on one x: ranks 5, 3 and 17 (past tl.dot's 16), widths 40, 24, 24
+    from fastaf.kernels import lora_decode
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(M, 72, generator=g).half()
+    sibs = [(torch.randn(n, 72, generator=g).half(), fa.LoRA(torch.randn(r, 72, generator=g).to(factor_dtype),
+                                                            torch.randn(n, r, generator=g).to(factor_dtype), 0.5 + r))
+            for n, r in ((40, 5), (24, 3), (24, 17))]
+    assert lora_decode.shares(sibs[0][1].A, [lo.A for _, lo in sibs[1:]])
+    part = lora_decode.shrink(x, [lo.A for _, lo in sibs])
+    assert part.shape == lora_decode.part_shape(x, 17, 3) and part.shape[:1] == (3,) and part.shape[1] > 1
+    for i, (w, lo) in enumerate(sibs):
+        y = torch.nn.functional.linear(x, w)
+        assert_close(lora_decode.expand(y, part[i], lo.B, lo.scale, out=torch.empty_like(y)),
+                     ref(x, w, None, lo), torch.float16)
+    assert not lora_decode.shares(sibs[0][1].A, [sibs[1][1].A.T.contiguous().T])  # other strides: alone
+    assert not lora_decode.shares(sibs[0][1].A, [sibs[1][1].A.double()])
+
+
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_the_shrink_and_expand_ops_trace_with_their_fakes(interpreted, monkeypatch):
+    # the partials' shape is the kernels' (several splits of K) where they run, else one split
+    if interpreted and not importlib.util.find_spec("triton"):
+        pytest.skip("needs triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    torch._dynamo.reset()  # the graph of the other case holds its shapes
+    x, w, b, lo = make(3, K=72, N=24, r=5, lead=())
+    _, w2, _, lo2 = make(3, K=72, N=16, r=4, lead=(), seed=1)
+
+    def both(x):
+        part = D.lora_decode_shrink(x, [lo.A, lo2.A])
+        return (D.lora_decode_expand(torch.nn.functional.linear(x, w, b), part, 0, lo.B, lo.scale),
+                D.lora_decode_expand(torch.nn.functional.linear(x, w2), part, 1, lo2.B, lo2.scale), part.shape[1])
+
+    y, y2, splits = torch.compile(both, backend="aot_eager", fullgraph=True)(x)
+    assert (splits > 1) == interpreted
+    assert_close(y, ref(x, w, b, lo), torch.float32)
+    assert_close(y2, ref(x, w2, None, lo2), torch.float32)
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -129,6 +187,16 @@ def test_the_kernel_matches_cublas_on_cuda_in_bf16(M):
     want = ref(x, w, b, lo)
     for y in (kernels, cublas, compiled):
         assert_close(y, want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", [True, False])
+def test_eager_decoding_adds_the_lora_with_one_launch_or_cublas_on_cuda(kernel):
+    x, w, b, lo = make(32, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
+    x, w, b, lo = x.cuda(), w.cuda(), b.cuda(), fa.LoRA(lo.A.cuda(), lo.B.cuda(), lo.scale)
+    with torch.no_grad(), _config.override(eager_decode_kernel=kernel):
+        assert_close(D.lora_linear_decode(x, w, b, lo, "q_proj"), ref(x, w, b, lo), torch.bfloat16)
 
 
 def _stack(n, K, N, r, dtype, seed=1):
