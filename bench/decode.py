@@ -1,6 +1,6 @@
 """A decoding step's LoRA: what adding it to a linear layer of few rows costs, inside a CUDA graph.
 
-    python bench/decode.py [--rows 1,32,64] [--sweep] [--name decode]
+    python bench/decode.py [--rows 1,32,64] [--sweep] [--eager] [--name decode]
 
 Shapes: the Llama-3.2-1B projections (K x N: q/o 2048 x 2048, k/v 2048 x 512, gate/up 2048 x
 8192, down 8192 x 2048), r = 16, bf16, M rows (a decoding batch of M sequences). Each provider
@@ -14,9 +14,15 @@ and replayed: what a compiled decoding step (``reduce-overhead``) pays, host tim
   (Inductor), what a compiled decoding step ran before the decode kernels;
 - kernel / kernel-fp32: ``F.linear``, then ``fastaf.kernels.lora_decode.add_lora`` (a shrink
   split over K and an expand), with bf16 or fp32 (master) factors.
+- shared (the 2048-input shapes): three siblings on one x (q/k/v) as one ``lora_decode.shrink``
+  of their three A's and an ``expand`` each, ``us`` per call as above.
 Every provider's output is checked against an fp32 reference first. ``--sweep`` also times the
 kernels' configs (``lora_decode.CUDA_CONFIG``'s keys) and prints the best at 32 rows over a
-whole step. Rows go to bench/results/decode.csv (see bench/README.md).
+whole step. ``--eager`` times eager inference calls instead, host time included (the loop of
+calls, no graph), in interleaved rounds, at the --rows given (default 32,512): eager-base
+(``F.linear``), eager-kernel and eager-cublas (``ops.lora_linear_decode`` with the
+``eager_decode_kernel`` flag on and off: one Triton launch, or ``mm`` + ``addmm_``). Rows go to
+bench/results/decode.csv (see bench/README.md).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from fastaf.kernels import lora_decode  # noqa: E402
 SHAPES = [(2048, 2048, 2), (2048, 512, 2), (2048, 8192, 2), (8192, 2048, 1)]  # K, N, projections a layer
 LAYERS, R, SCALE = 16, 16, 2.0
 PROVIDERS = ("base", "cublas", "compiled", "kernel", "kernel-fp32")
+EAGER = ("eager-base", "eager-kernel", "eager-cublas")
 CASE = ("K", "N", "rows", "r", "calls")
 FIGURES = ("us", "max_rel_err")
 
@@ -81,13 +88,76 @@ def one_call(provider: str, config: dict | None = None):
     }[provider]
 
 
+def shared_us(x, ws, a16, b16, calls: int) -> tuple[float, float]:
+    """Three siblings a layer on one x through one shrink and three expands, per call (us), and
+    the rel. error of the first sibling's output."""
+    def layer(i):
+        part = lora_decode.shrink(x, [a16[i], a16[i + 1], a16[i + 2]])
+        return [lora_decode.expand(F.linear(x, ws[i + j]), part[j], b16[i + j], SCALE) for j in range(3)]
+
+    want = F.linear(x.float(), ws[0].float()) + SCALE * (x.float() @ a16[0].float().T) @ b16[0].float().T
+    err = H.rel_err(layer(0)[0], want)
+    trios = calls - calls % 3
+    return graph_us(lambda: [layer(i) for i in range(0, trios, 3)], trios), err
+
+
+def eager_rows(rows_arg: str) -> list[dict]:
+    """``--eager``: host time per eager inference call (the ``EAGER`` providers), interleaved rounds."""
+    import random
+    import time
+
+    import fastaf as fa
+    from fastaf import _config
+    from fastaf.ops import lora_decode as ops
+
+    dev, bf, out = "cuda", torch.bfloat16, []
+    for K, N, _ in SHAPES:
+        w = torch.randn(N, K, device=dev, dtype=bf) / K**0.5
+        lo = fa.LoRA(torch.randn(R, K, device=dev, dtype=bf) / K**0.5, torch.randn(N, R, device=dev, dtype=bf) / R**0.5,
+                     SCALE)
+        for M in (int(m) for m in rows_arg.split(",")):
+            x = torch.randn(M, K, device=dev, dtype=bf)
+            want = F.linear(x.float(), w.float()) + SCALE * (x.float() @ lo.A.float().T) @ lo.B.float().T
+            fns, errs = {"eager-base": lambda: F.linear(x, w)}, {"eager-base": 0.0}
+            for name, on in (("eager-kernel", True), ("eager-cublas", False)):
+                def call(on=on):
+                    with _config.override(eager_decode_kernel=on):
+                        return ops.lora_linear_decode(x, w, None, lo, "bench")
+                with torch.no_grad():
+                    errs[name] = H.rel_err(call(), want)
+                if errs[name] > 2e-2:
+                    raise SystemExit(f"{name} at K={K} N={N} M={M}: {errs[name]:.3g} off the fp32 reference")
+                fns[name] = call
+            samples = {n: [] for n in fns}
+            with torch.no_grad():
+                for r in range(16):  # the first round warms up, untimed
+                    for name in random.Random(r).sample(list(fns), len(fns)):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(200):
+                            fns[name]()
+                        torch.cuda.synchronize()
+                        if r:
+                            samples[name].append((time.perf_counter() - t0) / 200 * 1e6)
+            med = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+            out += [{"provider": n, "K": K, "N": N, "rows": M, "r": R, "calls": 200, "us": round(med[n], 3),
+                     "max_rel_err": round(errs[n], 5)} for n in fns]
+            print(f"K={K:5d} N={N:5d} M={M:4d}: " + "  ".join(f"{n} {med[n]:.1f} us" for n in fns), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32,64", help="comma-separated M")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' configs")
+    ap.add_argument("--eager", action="store_true", help="time eager calls, host time included (default rows 32,512)")
     ap.add_argument("--name", default="decode", help="results file bench/results/<name>.csv")
     args = ap.parse_args()
     results = H.Results(args.name, CASE, FIGURES)
+    if args.eager:
+        rows = eager_rows("32,512" if args.rows == "1,32,64" else args.rows)
+        print(f"appended {len(rows)} rows to {results.append(rows)} (run {results.meta['run']})")
+        return
     torch._dynamo.config.recompile_limit = 64  # "compiled": one graph per shape and rows
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -111,7 +181,10 @@ def main() -> None:
                 times[provider] = graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)],
                                            calls)
                 rows.append({"provider": provider, **case, "us": round(times[provider], 3), "max_rel_err": round(err, 5)})
-            extra = "  ".join(f"{p} +{times[p] - times['base']:.2f}" for p in PROVIDERS[1:])
+            if K == 2048:  # q/k/v-like siblings on one x
+                times["shared"], err = shared_us(x, ws, a16, b16, calls)
+                rows.append({"provider": "shared", **case, "us": round(times["shared"], 3), "max_rel_err": round(err, 5)})
+            extra = "  ".join(f"{p} +{times[p] - times['base']:.2f}" for p in times if p != "base")
             print(f"K={K:5d} N={N:5d} M={M:3d}: base {times['base']:.2f} us/call; over it: {extra}", flush=True)
             if args.sweep and M == 32:
                 keys = ("BLOCK_K", "K_PER_SPLIT", "BLOCK_N", "num_warps", "num_stages")

@@ -25,6 +25,11 @@ from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 MAX_ROWS = 64  # the (BLOCK_M, BLOCK_K) x tile and (BLOCK_M, R_PAD) h stay in registers
 FUSED_MAX_ROWS = 1024  # rows add_lora_fused takes (in row blocks of at most FUSED_BLOCK_M)
 FUSED_BLOCK_M = 64
+# elements of x (M * K) up to which add_lora_fused beats cuBLAS's mm + addmm_ (H200, bf16, r = 16,
+# an eager call's host time with its base GEMM: 37.3 against 47.0 us at 32 x 2048, 51.4 against
+# 71.1 at 32 x 8192, 36.1 against 46.6 at 512 x 2048; 61.2 against 54.0 at 512 x 8192, where
+# every program computing its rows' h over all of K waits on the GPU)
+FUSED_MAX_ELEMENTS = 512 * 2048
 MAX_PARTIAL_ROWS = 1024  # partial rows an expand program sums at most where the kernels win (``wins``)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the shrink's K tile, the K each split covers, the expand's N tile, warps and stages;
@@ -160,9 +165,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 
 def fused_supported(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``add_lora_fused`` can run: x (M, K) with M <= FUSED_MAX_ROWS on CUDA (or interpreted),
-    float dtypes, rank <= MAX_RANK."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and available(x) and x.dtype in _DTYPES
+    """``add_lora_fused`` can run and wins: x (M, K) with M <= FUSED_MAX_ROWS and M * K <=
+    FUSED_MAX_ELEMENTS on CUDA (or interpreted), float dtypes, rank <= MAX_RANK."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and x.numel() <= FUSED_MAX_ELEMENTS
+            and available(x) and x.dtype in _DTYPES
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
 
 
