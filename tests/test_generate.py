@@ -102,8 +102,16 @@ def test_a_compiled_decode_reads_the_adapter_and_ids_from_static_tensors_kept_pe
     assert len([k for k in _generate._STATIC[model] if k[0] == "adapter"]) == 2  # one per structure
 
 
+# per layer, the A's each shrink launch reads: Llama's q/k/v with o_proj (the structure's guess),
+# o_proj alone, gate/up, down_proj alone; GPT-2's c_attn with attn.c_proj, that c_proj alone,
+# mlp.c_fc and mlp.c_proj (Conv1D layers, each alone)
+SHRINKS = {"llama": ([4, 1, 2, 1], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+           "gpt2": ([2, 1, 1, 1], ["c_attn", "c_proj", "c_fc"])}
+
+
 @needs_interpreter
-def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(monkeypatch):
+@pytest.mark.parametrize("arch", sorted(SHRINKS))
+def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(arch, monkeypatch):
     """On CUDA a compiled decoding step adds each LoRA with the decode kernels; q/k/v (with o_proj,
     the structure's guess) and gate/up take their h from one shrink launch over their shared input,
     then one expand each. Here the kernels run interpreted on CPU where CUDA would run them."""
@@ -116,9 +124,9 @@ def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(monkeypatch):
     shrink, expand = kernels.shrink, kernels.expand
     monkeypatch.setattr(kernels, "shrink", lambda x, factors, *a, **k: shrinks.append(len(factors)) or shrink(x, factors, *a, **k))
     monkeypatch.setattr(kernels, "expand", lambda *a, **k: expands.append(1) or expand(*a, **k))
-    model = tiny_llama().eval().requires_grad_(False)
+    per_layer, targets = SHRINKS[arch]
+    model = ARCHS[arch][0]().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = random_adapter(model, targets, r=4, seed=1)
     new = dict(max_new_tokens=3, do_sample=False)
     want = fa.generate(model, adapter, ids, **new)
@@ -126,9 +134,8 @@ def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(monkeypatch):
     got = fa.generate(model, adapter, ids, **new, **_static())
     assert torch.equal(got, want)
     steps, layers = 2, model.config.num_hidden_layers  # the decode steps after the (eager) prefill
-    # per layer: q/k/v with o_proj guessed, o_proj alone, gate/up, down_proj alone
-    assert sorted(shrinks) == sorted([4, 1, 2, 1] * layers * steps), shrinks
-    assert len(expands) == len(targets) * layers * steps
+    assert sorted(shrinks) == sorted(per_layer * layers * steps), shrinks
+    assert len(expands) == len(adapter) * steps  # one expand per adapted layer
 
 
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
