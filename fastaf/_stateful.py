@@ -70,7 +70,7 @@ from ._layouts import check_module, linear_spec
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, packed_4bit,
-                        module_routes, scoped_call)
+                        module_routes)
 from .ops import add_lora_rows, added_lora, decoding
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
@@ -195,8 +195,6 @@ class _Registry(nn.Module):
         self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
         self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
-        # the active adapter's keys when each is a float linear layer's own (``traced_call``), else ()
-        self.linear_keys: tuple[str, ...] = ()
         self.checked_training = False  # ``check_training`` ran since the last activation
         self.own_forward: Any = None  # a forward set on the model instance before init (accelerate's), if any
 
@@ -234,9 +232,6 @@ class _Registry(nn.Module):
             owners.setdefault(p.owner, []).append(p.path)
             loras.setdefault(p.owner, {})[p.path] = p.lora(detach=False)
         self.active_loras, self.cast_loras = {}, {}
-        plain = all(len(keys) == 1 and keys[0] == path and linear_spec(modules[path]) is not None
-                    and not _quantized(modules[path]) for path, keys in owners.items())
-        self.linear_keys = tuple(k for keys in owners.values() for k in keys) if plain else ()
         for path, keys in owners.items():
             # ``functools.partial`` equal in content across activations: dynamo's guards on it pass
             # again when an adapter comes back (a cached graph, not a recompile)
@@ -356,17 +351,6 @@ class _Registry(nn.Module):
         else:
             inference = type(x) is torch.Tensor and decoding(x, lora, impl, module.training)
         return lora if inference and not explicit_mode_active() else None
-
-    def traced_call(self) -> bool:
-        """Whether this call of the model runs through one mode made inside the trace
-        (``_model_forward``): traced with grad off, an adapter active whose every key is a float
-        linear layer's (no quantized layer, no expert LoRA: else the hooks' paths), ``stateful_impl``
-        "auto", the ``group`` switch on, not inside ``functional_call`` (its adapter stands in)."""
-        if not (torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.active is not None
-                and self.linear_keys):
-            return False
-        flags = _config.flags()
-        return flags.group and flags.stateful_impl == "auto" and not explicit_mode_active()
 
     def decode_lora(self, key: str, lora: LoRA, dtype: torch.dtype) -> LoRA:
         """The active ``lora`` at ``key`` with its factors in ``dtype``: fp32 masters cast once while
@@ -911,15 +895,7 @@ class _Forward:
 
 
 def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    registry = _registry(self)
-    own = registry.own_forward
-    if registry.traced_call():
-        # a compiled inference call of the whole model (transformers' static-cache decode step):
-        # one mode made inside the trace, functional_call's, where siblings share one shrink launch
-        # and the mode sees a write to their input in place; the hooks stand aside for it
-        adapter = Adapter({key: registry.active_lora(key) for key in registry.linear_keys})
-        run = (lambda: own(*args, **kwargs)) if own is not None else (lambda: type(self).forward(self, *args, **kwargs))
-        return scoped_call(self, adapter, run, carry=False, warn_unused=False)
+    own = _registry(self).own_forward
     return own(*args, **kwargs) if own is not None else type(self).forward(self, *args, **kwargs)
 
 

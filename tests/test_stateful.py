@@ -1037,13 +1037,10 @@ def test_decoding_steps_add_the_lora_to_nn_linear_outputs_and_recast_updated_fac
 
 
 def test_a_compiled_inference_call_adds_the_lora_to_each_linear_output_without_a_mode(monkeypatch):
-    """Traced with grad off, a compiled call of the whole model runs through one mode made inside
-    the trace (``_Registry.traced_call``: siblings share one shrink there). With the ``group``
-    switch off, each plain nn.Linear runs its own forward and its always-called hook returns the
-    output plus the LoRA (``added_lora``): no mode, whose counters and state dynamo would write
-    back after every call. Grad on, the mode's op path runs as before. All equal functional_call."""
+    """Traced with grad off, a plain nn.Linear runs its own forward and its always-called hook returns
+    the output plus the LoRA (``added_lora``): no mode, whose counters and state dynamo would write
+    back after every call. Grad on, the mode's op path runs as before. Both equal functional_call."""
     import fastaf._stateful as stateful_module
-    from fastaf import _config
 
     torch._dynamo.reset()
     model = tiny_llama(layers=2)
@@ -1052,20 +1049,15 @@ def test_a_compiled_inference_call_adds_the_lora_to_each_linear_output_without_a
     adapter = random_adapter(base, ["q_proj", "v_proj", "down_proj"], seed=3)
     model.add_new_adapter("a", adapter)
     model.set_active_adapter("a")
-    added, scoped = [], []
-    real, real_scoped = stateful_module.added_lora, stateful_module.scoped_call
+    added = []
+    real = stateful_module.added_lora
     monkeypatch.setattr(stateful_module, "added_lora", lambda *a, **k: added.append(1) or real(*a, **k))
-    monkeypatch.setattr(stateful_module, "scoped_call", lambda *a, **k: scoped.append(1) or real_scoped(*a, **k))
     step = torch.compile(lambda ids: model(ids).logits, backend="eager")
     ids = token_batch()
     want = fa.functional_call(base, adapter, (ids,)).logits
     with torch.no_grad():
         torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)
-        assert len(scoped) == 1 and not added  # traced once: the whole call under one mode
-        scoped.clear()
-        with _config.override(group=False):
-            torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)
-        assert len(added) == 2 * 3 and not scoped  # a new graph: one per adapted linear, from its hook
+    assert len(added) == 2 * 3  # traced once: one per adapted linear
     added.clear()
     torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)  # grad on: a new graph, the op path
-    assert not added and not scoped
+    assert not added
