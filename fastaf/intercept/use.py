@@ -18,8 +18,8 @@ from torch import Tensor
 from .. import _config
 from .._adapter import LoRA
 from ..ops import PLAIN_TYPES, check_rows, decoding, expanded_decode, lora_branch, lora_branch_multi, \
-    lora_decode_shrink, lora_linear_decode, shares_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, routed_lora_linear, \
-    shareable, shared_h_fanned, transform_levels
+    lora_decode_shrink, lora_linear_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, \
+    routed_lora_linear, shareable, shared_h_fanned, shares_decode, transform_levels
 from ..ops.lora_dequant import Layout4bit, Packed4bit, dequantize, lora_linear_4bit
 
 

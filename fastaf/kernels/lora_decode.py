@@ -3,11 +3,13 @@
 The base GEMM stays cuBLAS's (``F.linear``); these kernels add the LoRA to its output: a shrink
 split over K (``_decode_shrink_kernel``, partial h per split, no memset) and an expand that sums
 the partials (``_decode_expand_kernel``). One shrink reads up to four siblings' A (``shrink``:
-q/k/v on one x), each then expanded into its own output (``expand``). At a decoding step's few rows each launch costs mostly
-its fixed latency, and inside a CUDA graph (a compiled decoding step) nothing else: cuBLAS's
-``mm`` + ``addmm_`` take two launches too, but their shrink runs K serially in few programs
-(``bench/decode.py``, H200, 32 rows, per layer over the base GEMM: 8.1 us at K = 2048 and 7.8 at
-8192 for cuBLAS, 5.1 and 6.9 for these kernels), and an unfused graph three (two GEMMs and an add).
+q/k/v on one x), each then expanded into its own output (``expand``). At a decoding step's few
+rows each launch costs mostly its fixed latency, and inside a CUDA graph (a compiled decoding
+step) nothing else: cuBLAS's ``mm`` + ``addmm_`` take two launches too, but their shrink runs K
+serially in few programs (``bench/decode.py``, H200, 32 rows, per layer over the base GEMM: 8.1 us
+at K = 2048 and 7.8 at 8192 for cuBLAS, 5.1 and 6.9 for these kernels; 3.5 per sibling at
+K = 2048 when three share one shrink), and an unfused graph three (two GEMMs and an add). Eager
+inference calls, bound by host time per launch, take one launch instead (``add_lora_fused``).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.

@@ -108,7 +108,7 @@ def _expand_impl(y: Tensor, part: Tensor, index: int, b: Tensor, scale: float) -
     """y + scale * h @ b.T as a fresh (M, N) tensor, h sibling ``index``'s partials summed and
     rounded to y's dtype (``kernels.lora_decode.expand``, or the same in torch ops)."""
     kernels = _kernels()
-    if kernels.supported(y, b.T, b):
+    if kernels.supported(y, b.T, b):  # y's rows and dtype, b's dtype and rank (b.T in A's place)
         return kernels.expand(y, part[index], b, scale, out=torch.empty_like(y))
     h = part[index].sum(0)[:, :b.shape[1]].to(y.dtype)  # (M, R)
     return torch.addmm(y, h, _as_dtype(b, y.dtype).T, alpha=float(scale))
