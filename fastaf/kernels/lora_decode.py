@@ -72,11 +72,12 @@ def wins(x: torch.Tensor) -> bool:
     return M * -(-K // conf["K_PER_SPLIT"]) <= MAX_PARTIAL_ROWS
 
 
-def _shrink_plan(x: torch.Tensor, a_dtype: torch.dtype, n: int, rank: int, config: dict | None) -> tuple:
+def _shrink_plan(x: torch.Tensor, n: int, rank: int, config: dict | None) -> tuple:
     """(grid, meta, its key) of a shrink over x (M, K) for ``n`` siblings' A of at most ``rank``,
-    memoized: the launcher runs at every adapted layer of every eager step."""
+    memoized: the launcher runs at every adapted layer of every eager step. (A's dtype is the
+    launch site's key, not the plan's.)"""
     M, K = x.shape
-    memo = ("shrink", x.device, x.dtype, a_dtype, _tf32(x.dtype), M, K, n, rank,
+    memo = ("shrink", x.device, x.dtype, _tf32(x.dtype), M, K, n, rank,
             None if config is None else tuple(config.items()))
     plan = _plans.get(memo)
     if plan is None:
@@ -107,7 +108,7 @@ def _expand_plan(y: torch.Tensor, split: int, r_pad: int, config: dict | None) -
 
 def part_shape(x: torch.Tensor, rank: int, n: int) -> tuple[int, int, int, int]:
     """``shrink``'s output shape for x (M, K) and ``n`` A's of at most ``rank``."""
-    grid, meta, _ = _shrink_plan(x, x.dtype, n, rank, None)
+    grid, meta, _ = _shrink_plan(x, n, rank, None)
     return n, grid[1], x.shape[0], meta["R_PAD"]
 
 
@@ -123,7 +124,7 @@ def shrink(x: torch.Tensor, factors: list[torch.Tensor], config: dict | None = N
     """
     (M, K), a = x.shape, factors[0]
     rank = max(f.shape[0] for f in factors)
-    grid, meta, key = _shrink_plan(x, a.dtype, len(factors), rank, config)
+    grid, meta, key = _shrink_plan(x, len(factors), rank, config)
     part = torch.empty((len(factors), grid[1], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
     ptrs = (factors + [a] * MAX_SIBLINGS)[:MAX_SIBLINGS]
     ranks = [f.shape[0] for f in ptrs]
