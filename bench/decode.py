@@ -14,14 +14,17 @@ and replayed: what a compiled decoding step (``reduce-overhead``) pays, host tim
   (Inductor), what a compiled decoding step ran before the decode kernels;
 - kernel / kernel-fp32: ``F.linear``, then ``fastaf.kernels.lora_decode.add_lora`` (a shrink
   split over K and an expand), with bf16 or fp32 (master) factors.
+- linear / linear-fp32: ``fastaf.kernels.lora_decode.linear``, the base GEMM and the LoRA in one
+  Triton launch (what eager decoding runs), bf16 or fp32 factors.
 - shared (the 2048-input shapes): three siblings on one x (q/k/v) as one ``lora_decode.shrink``
   of their three A's and an ``expand`` each, ``us`` per call as above.
 Every provider's output is checked against an fp32 reference first. ``--sweep`` also times the
 kernels' configs (``lora_decode.CUDA_CONFIG``'s keys) and prints the best at 32 rows over a
 whole step. ``--eager`` times eager inference calls instead, host time included (the loop of
 calls, no graph), in interleaved rounds, at the --rows given (default 32,512): eager-base
-(``F.linear``), eager-kernel and eager-cublas (``ops.lora_linear_decode`` with the
-``eager_decode_kernel`` flag on and off: one Triton launch, or ``mm`` + ``addmm_``). Rows go to
+(``F.linear``), and ``ops.lora_linear_decode`` as eager-linear (``eager_linear`` on: one Triton
+launch, base GEMM included), eager-kernel (off: cuBLAS's GEMM, then the LoRA in one Triton
+launch) and eager-cublas (``eager_decode_kernel`` off too: ``mm`` + ``addmm_``). Rows go to
 bench/results/decode.csv (see bench/README.md).
 """
 from __future__ import annotations
@@ -41,8 +44,12 @@ from fastaf.kernels import lora_decode  # noqa: E402
 
 SHAPES = [(2048, 2048, 2), (2048, 512, 2), (2048, 8192, 2), (8192, 2048, 1)]  # K, N, projections a layer
 LAYERS, R, SCALE = 16, 16, 2.0
-PROVIDERS = ("base", "cublas", "compiled", "kernel", "kernel-fp32")
-EAGER = ("eager-base", "eager-kernel", "eager-cublas")
+PROVIDERS = ("base", "cublas", "compiled", "kernel", "kernel-fp32", "linear", "linear-fp32")
+EAGER = ("eager-base", "eager-linear", "eager-kernel", "eager-cublas")
+# eager providers -> the flags ``ops.lora_linear_decode`` runs under
+EAGER_FLAGS = {"eager-linear": dict(eager_linear=True, eager_decode_kernel=True),
+               "eager-kernel": dict(eager_linear=False, eager_decode_kernel=True),
+               "eager-cublas": dict(eager_linear=False, eager_decode_kernel=False)}
 CASE = ("K", "N", "rows", "r", "calls")
 FIGURES = ("us", "max_rel_err")
 
@@ -85,6 +92,8 @@ def one_call(provider: str, config: dict | None = None):
                                                                         config=config),
         "kernel-fp32": lambda x, w, a32, b32, a16, b16: lora_decode.add_lora(F.linear(x, w), x, a32, b32, SCALE,
                                                                              config=config),
+        "linear": lambda x, w, a32, b32, a16, b16: lora_decode.linear(x, w, None, a16, b16, SCALE),
+        "linear-fp32": lambda x, w, a32, b32, a16, b16: lora_decode.linear(x, w, None, a32, b32, SCALE),
     }[provider]
 
 
@@ -119,9 +128,9 @@ def eager_rows(rows_arg: str) -> list[dict]:
             x = torch.randn(M, K, device=dev, dtype=bf)
             want = F.linear(x.float(), w.float()) + SCALE * (x.float() @ lo.A.float().T) @ lo.B.float().T
             fns, errs = {"eager-base": lambda: F.linear(x, w)}, {"eager-base": 0.0}
-            for name, on in (("eager-kernel", True), ("eager-cublas", False)):
-                def call(on=on):
-                    with _config.override(eager_decode_kernel=on):
+            for name, flags in EAGER_FLAGS.items():
+                def call(flags=flags):
+                    with _config.override(**flags):
                         return ops.lora_linear_decode(x, w, None, lo, "bench")
                 with torch.no_grad():
                     errs[name] = H.rel_err(call(), want)

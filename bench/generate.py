@@ -17,12 +17,14 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   i % 16 (``fa.stack`` + ``adapter_ids``; PEFT's ``adapter_names``).
 - fwd-base, fwd-peft, fwd-fastaf, fwd-fastaf-init: one ``no_grad`` forward of 4 x 128 tokens, ms
   (do_bench): the host cost of an adapted layer, which eager decoding pays at every step.
-- A/B providers, the same under a switch (``fastaf._config``): ``-cublas`` with
-  ``eager_decode_kernel`` off (eager steps add the LoRA with cuBLAS's mm + addmm_ instead of one
-  Triton launch), ``fastaf-static-unshared`` with ``group`` off (each sibling its own shrink launch).
-Before timing, each generate provider's prefill logits are checked against an fp32 reference (the
-adapters applied by ``fa.functional_call`` on an fp32 copy); greedy tokens of a random-weight model
-diverge between correct bf16 paths, so tokens are not compared. Rows go to
+- A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``eager_linear``
+  off (an eager step's adapted linear as cuBLAS's GEMM, then the LoRA in one Triton launch,
+  instead of one launch for both), ``-cublas`` with ``eager_decode_kernel`` off too (the LoRA as
+  cuBLAS's mm + addmm_), ``fastaf-static-unshared`` with ``group`` off (each sibling its own
+  shrink launch).
+Before timing, each generate provider's prefill logits and its first decoding step's are checked
+against an fp32 reference (the adapters applied by ``fa.functional_call`` on an fp32 copy); greedy
+tokens of a random-weight model diverge between correct bf16 paths, so tokens are not compared. Rows go to
 bench/results/generate.csv (see bench/README.md).
 """
 from __future__ import annotations
@@ -48,8 +50,10 @@ GENERATE = ["base", "base-static", "peft", "peft-static", "fastaf", "fastaf-stat
             "fastaf-init-static", "fastaf-mixed16", "fastaf-mixed16-static", "peft-mixed16"]
 FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
 # the same providers under a switch, for A/Bs in one process: provider suffix -> flags
-SWITCHED = {"-cublas": dict(eager_decode_kernel=False), "-unshared": dict(group=False)}
-AB = ["fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas", "fastaf-static-unshared"]
+SWITCHED = {"-split": dict(eager_linear=False), "-cublas": dict(eager_linear=False, eager_decode_kernel=False),
+            "-unshared": dict(group=False)}
+AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fwd-fastaf-cublas",
+      "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas", "fastaf-static-unshared"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2
@@ -152,7 +156,8 @@ def _switched(provider, flags: dict):
 
 
 def reference_prefill(model32, ids: torch.Tensor, per_row: list[fa.Adapter] | None) -> torch.Tensor:
-    """fp32 last-position logits of the prompts, each row with its adapter (or none)."""
+    """fp32 last-position logits of ``ids`` (the prompts, or the prompts and a first token), each
+    row with its adapter (or none)."""
     with torch.no_grad():
         if per_row is None:
             return model32(ids).logits[:, -1].float()
@@ -202,11 +207,16 @@ def main() -> None:
             print(f"{name:24s} {timed['ms']:8.3f} ms", flush=True)
             continue
         run, per_row = table[name]
-        got = run(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True).logits[0].float()
-        want = reference_prefill(model32, ids, per_row)
-        err = ((got - want).abs().max() / want.abs().max()).item()
+        out = run(max_new_tokens=2, min_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_logits=True)
+        err = 0.0
+        # the prefill's logits, then the first decoding step's (one row per prompt: the eager
+        # one-launch linear, the compiled step's kernels) on the token the provider chose
+        for step, seq in enumerate((ids, out.sequences[:, :prompt_len + 1])):
+            got, want = out.logits[step].float(), reference_prefill(model32, seq, per_row)
+            err = max(err, ((got - want).abs().max() / want.abs().max()).item())
         if err > BF16_TOL:
-            raise SystemExit(f"{name}: prefill logits {err:.3g} off the fp32 reference (tolerance {BF16_TOL})")
+            raise SystemExit(f"{name}: prefill or first step's logits {err:.3g} off the fp32 reference "
+                             f"(tolerance {BF16_TOL})")
         t0 = time.perf_counter()
         run(**kw)  # warm-up: compiles the -static providers' decode step
         warmed[name] = (run, err, time.perf_counter() - t0)

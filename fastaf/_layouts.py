@@ -234,15 +234,18 @@ def compiled_class(module: nn.Module) -> type | None:
     ``torch.compile(m)`` (an ``OptimizedModule``), its own for ``m.compile()``; None when the
     module is not compiled. Also a compiled forward set on the instance
     (``m.forward = torch.compile(m.forward)``, as transformers' docs and users do)."""
+    # dict reads, not getattr: eager calls ask this of every module of the model (an nn.Module's
+    # __getattr__ raises internally for a missing name)
+    own = module.__dict__
+    if own.get("_compiled_call_impl") is not None:
+        return type(module)
+    inner = own.get("_modules", {}).get("fastaf")  # fa.init keeps the forward it replaced there
+    if "forward" not in own and inner is None:  # (an OptimizedModule sets its forward on the instance)
+        return None
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return type(module._orig_mod)
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        return type(module)
-    # dict reads, not getattr: eager calls ask this of every module (an nn.Module's __getattr__
-    # raises internally for a missing name)
-    own = module.__dict__.get("forward")
-    inner = getattr(module._modules.get("fastaf"), "own_forward", None)  # fa.init keeps it there
-    compiled = any(getattr(f, "_torchdynamo_orig_callable", None) is not None for f in (own, inner))
+    compiled = any(getattr(f, "_torchdynamo_orig_callable", None) is not None
+                   for f in (own.get("forward"), getattr(inner, "own_forward", None)))
     return type(module) if compiled else None
 
 

@@ -71,12 +71,12 @@ from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, packed_4bit,
                         module_routes)
-from .ops import add_lora_rows, added_lora, decoding
+from .ops import add_lora_rows, added_lora, decoding, linear_rows
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
 _BRANCH = "branch"  # the same for a quantized linear, whose forward fastaf never adapts (``ops.lora_branch``)
-_DONE = "done"  # a 4-bit layer's entry whose call ran fastaf's dequantizing op, its LoRA included
+_DONE = "done"  # an entry whose call ran fastaf's op, its LoRA included (a decoding step's, a 4-bit layer's)
 
 
 def _quantized(module: nn.Module) -> bool:
@@ -190,8 +190,12 @@ class _Registry(nn.Module):
         self.active_loras: dict[str, tuple] = {}  # key -> (its slot module, its LoRA): the active slot's, cached
         self.cast_loras: dict[str, tuple] = {}  # key -> (A, A's version, B, B's version, that LoRA in a half dtype)
         self.entered: dict[str, tuple[nn.Module, int]] = {}  # active adapter's module path -> (module, pre-hook id)
-        # active adapter's bitsandbytes 4-bit modules -> the instance forward set on each (``_Quantized4bitForward``)
+        # active adapter's plain nn.Linear and bitsandbytes 4-bit modules -> the instance forward set on
+        # each (``_DecodeForward``, ``_Quantized4bitForward``)
         self.forwards: dict[str, tuple[nn.Module, Any]] = {}
+        # module path -> the forward made for it, set again at each activation: a compiled call guards
+        # on the forward object, and a new one per activation would recompile for an adapter coming back
+        self.kept_forwards: dict[str, Any] = {}
         self.watched: dict[str, tuple[nn.Module, int]] = {}  # any adapter's module path -> (module, hook id)
         self.call_hooks: tuple = ()  # the model's (pre-hook id or None, hook id): ``start_call``, ``end_call``
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
@@ -238,9 +242,16 @@ class _Registry(nn.Module):
             hook = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
             self.entered[path] = (modules[path], hook.id)
             module = modules[path]
-            if len(keys) == 1 and "forward" not in module.__dict__ and packed_4bit(module) is not None:
-                forward = module.__dict__["forward"] = _Quantized4bitForward(module, self, keys[0])  # not a submodule
-                self.forwards[path] = (module, forward)
+            if len(keys) == 1 and "forward" not in module.__dict__:
+                forward = self.kept_forwards.get(path)
+                if forward is None or forward.module is not module:
+                    forward = (_DecodeForward(module) if type(module) is nn.Linear else
+                               _Quantized4bitForward(module, self, keys[0]) if packed_4bit(module) is not None else
+                               None)
+                    self.kept_forwards[path] = forward
+                if forward is not None:
+                    module.__dict__["forward"] = forward  # not a submodule
+                    self.forwards[path] = (module, forward)
         for slot_name, slot in self.adapters.items():
             for p in slot.parameters():
                 p.requires_grad_(slot_name == name)
@@ -337,7 +348,8 @@ class _Registry(nn.Module):
         through it; compiled, the routes' counters and the mode's state, which dynamo writes back
         after every replay of the graph. Not inside ``functional_call`` (its adapter stands in),
         nor for a weight passed for one call, nor for an input by keyword; else None."""
-        if type(module) is not nn.Linear or len(keys) != 1 or "forward" in module.__dict__ or len(args) != 1:
+        if type(module) is not nn.Linear or len(keys) != 1 or len(args) != 1 \
+                or type(module.__dict__.get("forward", _OWN)) not in (_OwnForward, _DecodeForward):
             return None
         x, weight = args[0], module._parameters["weight"]
         if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
@@ -454,7 +466,7 @@ class _Registry(nn.Module):
         stack = _open_modes()
         if stack and stack[-1][0] is module:
             _, mode, _, counts = stack.pop()
-            if mode is _DONE:  # fastaf's op ran the layer, its LoRA included (``_Quantized4bitForward``)
+            if mode is _DONE:  # fastaf's op ran the layer, its LoRA included (``_DecodeForward``, ``_Quantized4bitForward``)
                 return
             if mode is _BRANCH:  # a quantized linear's output plus its LoRA (``ops.lora_branch``)
                 if sys.exc_info()[0] is None:
@@ -842,6 +854,38 @@ class _Method:
 
     def __repr__(self) -> str:
         return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
+
+
+class _OwnForward:
+    """Stands for "no forward set on the instance" in ``decodes``."""
+
+
+_OWN = _OwnForward()
+
+
+class _DecodeForward:
+    """The ``forward`` set on a plain ``nn.Linear`` while an adapter is active on it: an eager
+    decoding call (``enter_module`` opened it as ``_DECODE``) computes the layer and its LoRA
+    together (``ops.linear_rows``: up to 64 rows one Triton launch, the base model's one per
+    linear) and marks the entry ``_DONE``, so ``leave_module`` adds nothing; any other call, traced
+    ones included, runs ``nn.Linear.forward``. An object, not a closure: a deep copy of the model
+    gets one bound to the copied layer."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's parameter name
+        module = self.module
+        if not torch.compiler.is_compiling():
+            stack = _open_modes()
+            if stack and stack[-1][0] is module and stack[-1][1] is _DECODE:
+                registry, (key, lora) = stack[-1][2], stack[-1][3]
+                x = input.reshape(-1, input.shape[-1])  # (M, K)
+                y = linear_rows(x, module._parameters["weight"], module._parameters["bias"],
+                                registry.decode_lora(key, lora, x.dtype))  # (M, N)
+                stack[-1] = (module, _DONE, registry, key)
+                return y.view(*input.shape[:-1], y.shape[-1])
+        return nn.Linear.forward(module, input)
 
 
 class _Quantized4bitForward:

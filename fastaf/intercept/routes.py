@@ -168,7 +168,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
     link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
-        weight = getattr(module, "weight", None)
+        weight = _weight_attr(module)
         # a module without one: dynamo (torch 2.11) cannot trace id(None)
         route = routes.get(id(weight)) if isinstance(weight, Tensor) else None
         if route is not None and route.module is not module:
@@ -181,6 +181,18 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes
 
+
+
+def _weight_attr(module: nn.Module) -> Any:
+    """``getattr(module, "weight", None)``, read from the module's dicts where it is there or cannot
+    be elsewhere: ``nn.Module.__getattr__`` raises inside for a missing name, host time on each
+    module of the model at every call."""
+    for held in (module._parameters, module._buffers, module.__dict__):
+        if "weight" in held:
+            return held["weight"]
+    if type(module).__getattr__ is nn.Module.__getattr__ and not hasattr(type(module), "weight"):
+        return None
+    return getattr(module, "weight", None)  # a property (a parametrization), a class's own __getattr__
 
 
 def _untie(path: str, other: str) -> str:

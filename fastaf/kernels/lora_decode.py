@@ -20,7 +20,7 @@ import torch
 
 from . import launch_sites
 from .hardware import available
-from .lora_decode_kernels import _decode_expand_kernel, _decode_fused_kernel, _decode_shrink_kernel
+from .lora_decode_kernels import _decode_expand_kernel, _decode_fused_kernel, _decode_linear_kernel, _decode_shrink_kernel
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 
@@ -38,10 +38,17 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # interpreted: small tiles, so odd shapes exercise every tail and several splits
 CUDA_CONFIG = dict(BLOCK_K=128, K_PER_SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=3)
 INTERPRET_CONFIG = dict(BLOCK_K=16, K_PER_SPLIT=32, BLOCK_N=16, num_warps=4, num_stages=1)
+# ``linear``'s tiles: up to 64 rows N tiles of 32 keep 64+ programs at N = 2048 (16 at the k/v
+# projections' 512); more rows take row blocks of 64 and wider N tiles
+LINEAR_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
+LINEAR_WIDE_CONFIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+LINEAR_INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+LINEAR_MAX_ROWS = 1024  # rows ``linear`` takes
 
 SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 6, 10)  # pointers, ints (see launch_sites)
 EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
 FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
+LINEAR = launch_sites.LaunchSite(_decode_linear_kernel, 6, 14)
 MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
 _MEMOS.append(_plans)
@@ -200,3 +207,49 @@ def add_lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     FUSED(grid, (x, a, b, y, y, M, N, K, R, x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0),
                  b.stride(1), y.stride(0), y.stride(1), y.stride(0), y.stride(1), float(scale)), meta, key)
     return y
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``linear`` can run: x (M, K) with M <= LINEAR_MAX_ROWS on CUDA (or interpreted), a 16-bit
+    x and a weight (N, K) in its dtype, float factors of rank <= MAX_RANK."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= LINEAR_MAX_ROWS and available(x)
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
+
+
+def _linear_plan(x: torch.Tensor, N: int, rank: int, bias: bool, config: dict | None) -> tuple:
+    """(grid, meta, its key) of ``linear`` for x (M, K) and N outputs, memoized."""
+    M, K = x.shape
+    memo = ("linear", x.device, x.dtype, M, N, K, rank, bias, None if config is None else tuple(config.items()))
+    plan = _plans.get(memo)
+    if plan is None:
+        base = LINEAR_INTERPRET_CONFIG if not x.is_cuda else LINEAR_CONFIG if M <= MAX_ROWS else LINEAR_WIDE_CONFIG
+        conf = dict(base, **(config or {}))
+        block_m = min(padded_rank(M), FUSED_BLOCK_M)
+        plan = _plans[memo] = ((-(-N // conf["BLOCK_N"]), -(-M // block_m)), *_meta(
+            HAS_BIAS=bias, R_PAD=padded_rank(rank), BLOCK_M=block_m, BLOCK_N=conf["BLOCK_N"],
+            BLOCK_K=conf["BLOCK_K"], DOT_PRECISION=_dot_precision(x.dtype), num_warps=conf["num_warps"],
+            num_stages=conf["num_stages"]))
+    return plan
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+           scale: float, config: dict | None = None) -> torch.Tensor:
+    """x @ weight.T + bias + scale * (x @ a.T) @ b.T in one launch (``_decode_linear_kernel``).
+
+    Args:
+        x: (M, K) float16 / bfloat16, M <= LINEAR_MAX_ROWS (``linear_supported``), any strides.
+        weight: (N, K) in x's dtype, any strides; bias: (N,) or None.
+        a: (R, K), b: (N, R): float16 / bfloat16 / float32, any strides (read as they are).
+        scale: the LoRA's scale.
+        config: overrides of ``LINEAR_CONFIG``'s keys (benchmarks sweep tiles).
+    Returns:
+        (M, N) in x's dtype, new.
+    """
+    (M, K), (N, R) = x.shape, b.shape
+    grid, meta, key = _linear_plan(x, N, R, bias is not None, config)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    LINEAR(grid, (x, weight, x if bias is None else bias, a, b, out, M, N, K, R, x.stride(0), x.stride(1),
+                  weight.stride(0), weight.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                  out.stride(0), out.stride(1), float(scale)), meta, key)
+    return out

@@ -10,6 +10,8 @@ picks the sibling).
 reference's ``x @ A.T``; out tile = y tile + s * h @ B[tile].T. out may be y itself (in place).
 ``_decode_fused_kernel``: both in one launch, each program computing all of its rows' h (eager
 inference calls, bound by host time per launch).
+``_decode_linear_kernel``: the base GEMM too, in the same launch and the same pass over K (eager
+decoding: one launch per adapted linear, as the base model's).
 
 Why two launches: one kernel that computes the whole h in every program of the expand reads
 all of x and A per program, and at K = 8192 that is what it waits on: it lost to cuBLAS's
@@ -38,15 +40,22 @@ def _h_over(x_ptr, a_ptr, offs_m, mask_m, k_start, k_end, R, stride_xm, stride_x
 
 
 @triton.jit
-def _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
-            stride_om, stride_on, scale, R_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out tile = y tile + s * h @ B[tile].T, h (BLOCK_M, R_PAD) fp32 rounded to y's dtype first,
-    as the reference's ``x @ A.T``."""
-    dtype = y_ptr.dtype.element_ty
+def _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype: tl.constexpr, R_PAD: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    """h @ B[tile].T, fp32 (BLOCK_M, BLOCK_N): h (BLOCK_M, R_PAD) fp32 rounded to ``dtype`` first, as
+    the reference's ``x @ A.T``; B read in its own dtype and cast in registers."""
     offs_r = tl.arange(0, R_PAD)
     bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                  mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
-    up = tl.dot(h.to(dtype), bt.to(dtype), input_precision=DOT_PRECISION)
+    return tl.dot(h.to(dtype), bt.to(dtype), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
+            stride_om, stride_on, scale, R_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out tile = y tile + s * h @ B[tile].T (``_up``)."""
+    dtype = y_ptr.dtype.element_ty
+    up = _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, mask=mask, other=0.0)
     out = y.to(tl.float32) + scale * up
@@ -147,3 +156,51 @@ def _decode_fused_kernel(
                 BLOCK_K, DOT_PRECISION)
     _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
             stride_om, stride_on, scale, R_PAD, DOT_PRECISION)
+
+
+@triton.jit
+def _decode_linear_kernel(
+    # pointers (bias_ptr unused without HAS_BIAS)
+    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, out_ptr,
+    # sizes
+    M, N, K, R,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_om, stride_on,
+    # scalars
+    scale,
+    # meta
+    HAS_BIAS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out tile = x[rows] @ W[tile].T + bias[tile] + s * (x[rows] @ A.T) @ B[tile].T: the base GEMM
+    and the LoRA in one launch, for eager decoding (bound by host time per launch: this is the
+    base model's one launch per linear). One pass over K reads each x tile once for both W and
+    A; the base GEMM is rounded to x's dtype before the LoRA is added, as ``F.linear`` then
+    ``addmm`` would."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+        acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+        at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                     mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
+        h = tl.dot(x, at.to(x.dtype), h, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    base = acc.to(dtype).to(tl.float32)
+    out = base + scale * _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
+             mask=mask_m[:, None] & mask_n[None, :])

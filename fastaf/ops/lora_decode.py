@@ -2,8 +2,9 @@
 
 An eager inference call (grad off) of at most ``EAGER_ROWS`` rows of a CUDA tensor is bound by
 host time: it skips the op's Function, dispatch lookup and sibling grouping
-(``lora_linear_decode``), runs the base GEMM on cuBLAS (``F.linear``) and adds the LoRA to its
-output with cuBLAS's ``mm`` + ``addmm_`` (``add_lora_rows``); with per-row adapter ids the grouped
+(``lora_linear_decode``); up to 64 rows one Triton launch computes the base GEMM and the LoRA
+(``linear_rows``), above that cuBLAS's GEMM (``F.linear``) takes one launch and the LoRA added to
+its output another (``add_lora_rows``); with per-row adapter ids the grouped
 kernels' shrink and expand do it (``lora_multi_decode``). A traced one with grad off (a compiled
 decoding step, replayed from a CUDA graph) is bound by its launches' fixed GPU latency: up to
 ``DECODE_ROWS`` rows it adds the LoRA with ``fastaf::lora_decode_add``, two Triton launches
@@ -13,7 +14,7 @@ beside them; on a CPU tensor (no Triton) the op runs the torch reference.
 
 Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
 its fake; the functions the interception and the stateful layer call (``decoding``,
-``lora_linear_decode``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``,
+``lora_linear_decode``, ``linear_rows``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``,
 ``traced_decode``).
 """
 from __future__ import annotations
@@ -177,16 +178,29 @@ def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
     return y.addmm_(h, decode_factor(lora.B, x.dtype).T, alpha=float(lora.scale))
 
 
+def linear_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA) -> Tensor:
+    """``x @ weight.T + bias + lora.scale * (x @ A.T) @ B.T`` for an eager inference call (grad
+    off, checked operands), x (M, K) -> (M, N). Up to ``kernels.lora_decode.LINEAR_MAX_ROWS`` rows
+    of a 16-bit CUDA tensor with ``eager_linear`` on, one Triton launch does the
+    base GEMM and the LoRA (``kernels.lora_decode.linear``): the one launch per linear the base
+    model itself pays, where such a call is bound by host time per launch. Else cuBLAS's GEMM,
+    then ``add_lora_rows``."""
+    if x.is_cuda and _config.flags().eager_linear:
+        kernels = _kernels()
+        if kernels.linear_supported(x, weight, lora.A, lora.B):
+            return kernels.linear(x, weight, bias, lora.A, lora.B, float(lora.scale))
+    return add_lora_rows(F.linear(x, weight, bias), x, lora)
+
+
 def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, where: str) -> Tensor:
-    """``lora_linear`` for a decoding step (``decoding``): cuBLAS's base GEMM, then the LoRA added
-    to its output (``add_lora_rows``), and nothing else. At 32 rows of a 1B model the op's
-    Function, dispatch lookup and sibling grouping are host time at every adapted layer of every
-    step (H200: 166 us a call through the op against 85 for cuBLAS's three launches, under
-    cProfile). (..., N) in x's dtype."""
+    """``lora_linear`` for a decoding step (``decoding``): ``linear_rows`` and nothing else. At 32
+    rows of a 1B model the op's Function, dispatch lookup and sibling grouping are host time at
+    every adapted layer of every step (H200: 166 us a call through the op against 85 for cuBLAS's
+    three launches, under cProfile). (..., N) in x's dtype."""
     x, weight, bias = _autocast(x, weight, bias)
     check_use(x, weight, bias, lora, where)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-    y = add_lora_rows(F.linear(x2, weight, bias), x2, lora)  # (M, N)
+    y = linear_rows(x2, weight, bias, lora)  # (M, N)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -66,6 +66,34 @@ def test_the_one_launch_kernel_adds_the_lora_in_place(M, dtype, factor_dtype):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("M", [1, 3, 64, 130])
+@pytest.mark.parametrize("factor_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_one_launch_linear_computes_the_base_gemm_and_the_lora(M, factor_dtype, bias):
+    # eager decoding's kernel: the base GEMM and the LoRA in one launch; K and N off the
+    # interpreter's tiles, rank 17 past tl.dot's 16, a transposed view as W, 130 rows in three
+    # row blocks
+    from fastaf.kernels import lora_decode
+
+    x, w, b, lo = make(M, K=72, N=40, r=17, dtype=torch.float16, factor_dtype=factor_dtype, bias=bias, lead=())
+    assert lora_decode.linear_supported(x, w, lo.A, lo.B)
+    y = lora_decode.linear(x, w.T.contiguous().T, b, lo.A, lo.B, lo.scale)
+    assert y.shape == (M, 40) and y.dtype == torch.float16
+    assert_close(y, ref(x, w, b, lo), torch.float16)
+
+
+@needs_interpreter
+def test_the_one_launch_linear_takes_16_bit_inputs_only():
+    from fastaf.kernels import lora_decode
+
+    x, w, _, lo = make(3, lead=())  # fp32: cuBLAS's GEMM, as the base model's
+    assert not lora_decode.linear_supported(x, w, lo.A, lo.B)
+    assert not lora_decode.linear_supported(x.half(), w, lo.A, lo.B)  # a weight in another dtype
+    assert not lora_decode.linear_supported(torch.zeros(lora_decode.LINEAR_MAX_ROWS + 1, 40).half(), w.half(),
+                                            lo.A, lo.B)
+
+
+@needs_interpreter
 def test_the_kernel_takes_rank_above_sixteen_and_strided_rows():
     from fastaf.kernels import lora_decode
 
@@ -191,12 +219,19 @@ def test_the_kernel_matches_cublas_on_cuda_in_bf16(M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel", [True, False])
-def test_eager_decoding_adds_the_lora_with_one_launch_or_cublas_on_cuda(kernel):
-    x, w, b, lo = make(32, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
+@pytest.mark.parametrize("M", [32, 512])
+@pytest.mark.parametrize("linear,kernel", [(True, True), (False, True), (False, False)])
+def test_eager_decoding_runs_one_launch_or_cublas_then_the_lora_on_cuda(M, linear, kernel):
+    from fastaf.kernels import lora_decode
+
+    x, w, b, lo = make(M, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
     x, w, b, lo = x.cuda(), w.cuda(), b.cuda(), fa.LoRA(lo.A.cuda(), lo.B.cuda(), lo.scale)
-    with torch.no_grad(), _config.override(eager_decode_kernel=kernel):
-        assert_close(D.lora_linear_decode(x, w, b, lo, "q_proj"), ref(x, w, b, lo), torch.bfloat16)
+    ran = lora_decode.LINEAR.hits
+    with torch.no_grad(), _config.override(eager_linear=linear, eager_decode_kernel=kernel):
+        for _ in range(2):  # the second call takes the launch site's cached kernel
+            assert_close(D.lora_linear_decode(x, w, b, lo, "q_proj"), ref(x, w, b, lo), torch.bfloat16)
+    took = linear and M <= lora_decode.LINEAR_MAX_ROWS
+    assert (lora_decode.LINEAR.hits > ran) == took
 
 
 def _stack(n, K, N, r, dtype, seed=1):
