@@ -43,7 +43,7 @@ INTERPRET_CONFIG = dict(BLOCK_K=16, K_PER_SPLIT=32, BLOCK_N=16, num_warps=4, num
 LINEAR_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 LINEAR_WIDE_CONFIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 LINEAR_INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
-LINEAR_MAX_ROWS = 1024  # rows ``linear`` takes
+LINEAR_MAX_ROWS = 512  # rows ``linear`` takes: as far as it was measured to win (``linear_supported``)
 
 SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 6, 10)  # pointers, ints (see launch_sites)
 EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
@@ -210,8 +210,15 @@ def add_lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``linear`` can run: x (M, K) with M <= LINEAR_MAX_ROWS on CUDA (or interpreted), a 16-bit
-    x and a weight (N, K) in its dtype, float factors of rank <= MAX_RANK."""
+    """``linear`` can run and wins: x (M, K) with M <= LINEAR_MAX_ROWS on CUDA (or interpreted), a
+    16-bit x and a weight (N, K) in its dtype, float factors of rank <= MAX_RANK.
+
+    Where it wins (H200, bf16, r = 16, an eager call's host time, ``bench/decode.py --eager``, run
+    52b2): against cuBLAS's GEMM then the one-launch LoRA, 50.4 against 68.9 us at 32 x 2048 ->
+    2048, 60.3 against 75.9 at 32 x 8192 -> 2048, 71.9 against 95.9 at 512 x 2048 -> 2048, 77.2
+    against 88.7 at 512 x 8192 -> 2048; a tie at 32 x 2048 -> 8192 (73.2 against 70.9). Its GPU
+    time is above cuBLAS's (graph-replayed, 32 rows: 9.9 us over the base GEMM at 2048 -> 2048,
+    41.6 at 8192 -> 2048, against 5.2 and 7.0 for the split pair), so compiled steps keep the pair."""
     return (x.dim() == 2 and 0 < x.shape[0] <= LINEAR_MAX_ROWS and available(x)
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
