@@ -20,9 +20,10 @@ and replayed: what a compiled decoding step (``reduce-overhead``) pays, host tim
   of their three A's and an ``expand`` each, ``us`` per call as above.
 Every provider's output is checked against an fp32 reference first. ``--sweep`` also times the
 kernels' configs (``lora_decode.CUDA_CONFIG``'s keys) and prints the best at 32 rows over a
-whole step. ``--eager`` times eager inference calls instead, host time included (the loop of
+whole step; ``--sweep-linear`` the one-launch linear's (``linear_tiles``) at each of --rows, with a
+``linear-best`` row per shape. ``--eager`` times eager inference calls instead, host time included (the loop of
 calls, no graph), in interleaved rounds, at the --rows given (default 32,512): eager-base
-(``F.linear``), and ``ops.lora_linear_decode`` as eager-linear (``eager_linear`` on: one Triton
+(``F.linear``), and ``ops.lora_linear_decode`` as eager-linear (``decode_linear`` on: one Triton
 launch, base GEMM included), eager-kernel (off: cuBLAS's GEMM, then the LoRA in one Triton
 launch) and eager-cublas (``eager_decode_kernel`` off too: ``mm`` + ``addmm_``). Rows go to
 bench/results/decode.csv (see bench/README.md).
@@ -47,9 +48,9 @@ LAYERS, R, SCALE = 16, 16, 2.0
 PROVIDERS = ("base", "cublas", "compiled", "kernel", "kernel-fp32", "linear", "linear-fp32")
 EAGER = ("eager-base", "eager-linear", "eager-kernel", "eager-cublas")
 # eager providers -> the flags ``ops.lora_linear_decode`` runs under
-EAGER_FLAGS = {"eager-linear": dict(eager_linear=True, eager_decode_kernel=True),
-               "eager-kernel": dict(eager_linear=False, eager_decode_kernel=True),
-               "eager-cublas": dict(eager_linear=False, eager_decode_kernel=False)}
+EAGER_FLAGS = {"eager-linear": dict(decode_linear=True, eager_decode_kernel=True),
+               "eager-kernel": dict(decode_linear=False, eager_decode_kernel=True),
+               "eager-cublas": dict(decode_linear=False, eager_decode_kernel=False)}
 CASE = ("K", "N", "rows", "r", "calls")
 FIGURES = ("us", "max_rel_err")
 
@@ -159,6 +160,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32,64", help="comma-separated M")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' configs")
+    ap.add_argument("--sweep-linear", action="store_true", help="also time the one-launch linear's configs "
+                    "(lora_decode.linear_tiles' keys) at each --rows, graph-replayed")
     ap.add_argument("--eager", action="store_true", help="time eager calls, host time included (default rows 32,512)")
     ap.add_argument("--name", default="decode", help="results file bench/results/<name>.csv")
     args = ap.parse_args()
@@ -170,7 +173,7 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64  # "compiled": one graph per shape and rows
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
-    rows, sweep = [], {}
+    rows, sweep, linear_sweep = [], {}, {}
     for K, N, per_layer in SHAPES:
         calls = LAYERS * per_layer
         ws = [torch.randn(N, K, device=dev, dtype=bf) / K**0.5 for _ in range(calls)]
@@ -202,8 +205,26 @@ def main() -> None:
                     f = one_call("kernel", conf)
                     us = graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)], calls)
                     sweep[values] = sweep.get(values, 0.0) + (us - times["base"]) * calls
+            if args.sweep_linear:
+                keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+                timed = {}
+                for values in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)):
+                    conf = dict(zip(keys, values))
+                    f = lambda x, w, a, b: lora_decode.linear(x, w, None, a, b, SCALE, config=conf)  # noqa: E731
+                    if H.rel_err(f(x, ws[0], a16[0], b16[0]), want) > 2e-2:
+                        raise SystemExit(f"linear {conf} at K={K} N={N}: off the fp32 reference")
+                    timed[values] = graph_us(lambda: [f(x, ws[i], a16[i], b16[i]) for i in range(calls)], calls)
+                    linear_sweep[M, values] = linear_sweep.get((M, values), 0.0) + (timed[values] - times["base"]) * calls
+                best = min(timed, key=timed.get)
+                print(f"  linear at K={K} N={N} M={M}: best {dict(zip(keys, best))} +{timed[best] - times['base']:.2f} us "
+                      f"over the base (default +{times['linear'] - times['base']:.2f})", flush=True)
+                rows.append({"provider": "linear-best", **case, "us": round(timed[best], 3), "max_rel_err": 0.0})
     path = results.append(rows)
     print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
+    for M in sorted({m for m, _ in linear_sweep}):
+        mine = {v: t for (m, v), t in linear_sweep.items() if m == M}
+        best = min(mine, key=mine.get)
+        print(f"linear's best config at {M} rows over a step: {best}, {mine[best]:.1f} us over the base GEMMs")
     if sweep:
         best = min(sweep, key=sweep.get)
         print(f"best config at 32 rows over a step: {best}, {sweep[best]:.1f} us of LoRA a step "

@@ -17,9 +17,9 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   i % 16 (``fa.stack`` + ``adapter_ids``; PEFT's ``adapter_names``).
 - fwd-base, fwd-peft, fwd-fastaf, fwd-fastaf-init: one ``no_grad`` forward of 4 x 128 tokens, ms
   (do_bench): the host cost of an adapted layer, which eager decoding pays at every step.
-- A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``eager_linear``
-  off (an eager step's adapted linear as cuBLAS's GEMM, then the LoRA in one Triton launch,
-  instead of one launch for both), ``-cublas`` with ``eager_decode_kernel`` off too (the LoRA as
+- A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``decode_linear``
+  off (a decoding step's adapted linear as cuBLAS's GEMM, then the LoRA: one Triton launch
+  eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with ``eager_decode_kernel`` off too (the LoRA as
   cuBLAS's mm + addmm_), ``fastaf-static-unshared`` with ``group`` off (each sibling its own
   shrink launch).
 Before timing, each generate provider's prefill logits and its first decoding step's are checked
@@ -50,10 +50,11 @@ GENERATE = ["base", "base-static", "peft", "peft-static", "fastaf", "fastaf-stat
             "fastaf-init-static", "fastaf-mixed16", "fastaf-mixed16-static", "peft-mixed16"]
 FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
 # the same providers under a switch, for A/Bs in one process: provider suffix -> flags
-SWITCHED = {"-split": dict(eager_linear=False), "-cublas": dict(eager_linear=False, eager_decode_kernel=False),
+SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=False, eager_decode_kernel=False),
             "-unshared": dict(group=False)}
-AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fwd-fastaf-cublas",
-      "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas", "fastaf-static-unshared"]
+AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
+      "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
+      "fastaf-static-unshared"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2

@@ -71,7 +71,7 @@ from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, packed_4bit,
                         module_routes)
-from .ops import add_lora_rows, added_lora, decoding, linear_rows
+from .ops import add_lora_rows, added_lora, decoding, linear_rows, traced_decode
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
 _DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
@@ -864,27 +864,27 @@ _OWN = _OwnForward()
 
 
 class _DecodeForward:
-    """The ``forward`` set on a plain ``nn.Linear`` while an adapter is active on it: an eager
-    decoding call (``enter_module`` opened it as ``_DECODE``) computes the layer and its LoRA
-    together (``ops.linear_rows``: up to 64 rows one Triton launch, the base model's one per
-    linear) and marks the entry ``_DONE``, so ``leave_module`` adds nothing; any other call, traced
-    ones included, runs ``nn.Linear.forward``. An object, not a closure: a deep copy of the model
+    """The ``forward`` set on a plain ``nn.Linear`` while an adapter is active on it: a decoding
+    call (``enter_module`` opened it as ``_DECODE``) computes the layer and its LoRA together
+    (eagerly ``ops.linear_rows``, traced ``ops.traced_decode``: for few rows one Triton launch, the
+    base model's one per linear) and marks the entry ``_DONE``, so ``leave_module`` adds nothing;
+    any other call runs ``nn.Linear.forward``. An object, not a closure: a deep copy of the model
     gets one bound to the copied layer."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's parameter name
-        module = self.module
-        if not torch.compiler.is_compiling():
-            stack = _open_modes()
-            if stack and stack[-1][0] is module and stack[-1][1] is _DECODE:
-                registry, (key, lora) = stack[-1][2], stack[-1][3]
-                x = input.reshape(-1, input.shape[-1])  # (M, K)
-                y = linear_rows(x, module._parameters["weight"], module._parameters["bias"],
-                                registry.decode_lora(key, lora, x.dtype))  # (M, N)
-                stack[-1] = (module, _DONE, registry, key)
-                return y.view(*input.shape[:-1], y.shape[-1])
+        module, stack = self.module, _open_modes()
+        if stack and stack[-1][0] is module and stack[-1][1] is _DECODE:
+            registry, (key, lora) = stack[-1][2], stack[-1][3]
+            weight, bias = module._parameters["weight"], module._parameters["bias"]
+            stack[-1] = (module, _DONE, registry, key)
+            if torch.compiler.is_compiling():  # the factors as they are: no cast kernels in the graph
+                return traced_decode(input, weight, bias, lora, "auto")
+            x = input.reshape(-1, input.shape[-1])  # (M, K)
+            y = linear_rows(x, weight, bias, registry.decode_lora(key, lora, x.dtype))  # (M, N)
+            return y.view(*input.shape[:-1], y.shape[-1])
         return nn.Linear.forward(module, input)
 
 

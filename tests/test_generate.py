@@ -138,6 +138,51 @@ def test_compiled_decoding_reads_siblings_h_in_one_shrink_launch(arch, monkeypat
     assert len(expands) == len(adapter) * steps  # one expand per adapted layer
 
 
+@needs_interpreter
+@pytest.mark.parametrize("arch", sorted(SHRINKS))
+def test_compiled_decoding_runs_each_adapted_linear_in_one_launch(arch, monkeypatch):
+    """On CUDA a compiled decoding step (16-bit, at most 64 rows) runs each adapted linear, its base
+    GEMM and its LoRA, as one launch (``fastaf::lora_decode_linear``), through fa.generate and the
+    stateful layer alike; no shrink launch is left. Here the kernel runs interpreted on CPU (in
+    fp32, where CUDA takes it for 16-bit inputs only) where CUDA would run it."""
+    from fastaf import _config
+    from fastaf.intercept import use
+    from fastaf.kernels import lora_decode as kernels
+    from fastaf.ops import lora_decode
+
+    def linear_decodes(x, weight, lora, impl):  # lora_decode.linear_decodes, less its CUDA check
+        return (impl != "addmm" and _config.flags().decode_linear and x.shape[0] <= lora_decode.DECODE_ROWS
+                and not lora.stacked and kernels.linear_supported(x, weight, lora.A, lora.B))
+
+    monkeypatch.setattr(lora_decode, "linear_decodes", linear_decodes)
+    monkeypatch.setattr(use, "linear_decodes", linear_decodes)
+    monkeypatch.setattr(kernels, "linear_supported", lambda x, w, a, b: x.dim() == 2 and w.dtype == x.dtype)
+    launches, shrinks = [], []
+    linear, shrink = kernels.linear, kernels.shrink
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: launches.append(1) or linear(*a, **k))
+    monkeypatch.setattr(kernels, "shrink", lambda *a, **k: shrinks.append(1) or shrink(*a, **k))
+    targets = SHRINKS[arch][1]
+    model = ARCHS[arch][0]().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(model, targets, r=4, seed=1)
+    new = dict(max_new_tokens=3, do_sample=False)
+    want = fa.generate(model, adapter, ids, **new)
+    inited = fa.init(copy.deepcopy(model))
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    torch._dynamo.reset()
+    for run in (lambda: fa.generate(model, adapter, ids, **new, **_static()),
+                lambda: inited.generate(ids, **new, **_static())):
+        launches.clear()
+        assert torch.equal(run(), want)
+        assert len(launches) == len(adapter) * 2  # the two decode steps after the (eager) prefill
+    assert not shrinks
+    launches.clear()
+    with _config.override(decode_linear=False):  # the switch: cuBLAS's GEMM, then the LoRA
+        torch._dynamo.reset()
+        assert torch.equal(fa.generate(model, adapter, ids, **new, **_static()), want) and not launches
+
+
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
     base = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)

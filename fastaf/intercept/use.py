@@ -17,9 +17,10 @@ from torch import Tensor
 
 from .. import _config
 from .._adapter import LoRA
-from ..ops import PLAIN_TYPES, check_rows, decoding, expanded_decode, lora_branch, lora_branch_multi, \
-    lora_decode_shrink, lora_linear_decode, lora_linear_given_h, lora_linear_multi, lora_multi_decode, multi_decoding, \
-    routed_lora_linear, shareable, shared_h_fanned, shares_decode, transform_levels
+from ..ops import PLAIN_TYPES, check_rows, decoding, expanded_decode, linear_decodes, lora_branch, \
+    lora_branch_multi, lora_decode_shrink, lora_linear_decode, lora_linear_given_h, lora_linear_multi, \
+    lora_multi_decode, multi_decoding, routed_lora_linear, shareable, shared_h_fanned, shares_decode, \
+    transform_levels
 from ..ops.lora_dequant import Layout4bit, Packed4bit, dequantize, lora_linear_4bit
 
 
@@ -49,8 +50,10 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
             y = routed_lora_linear(x, weight, bias, route.lora, mode.impl, route.module.training, route.path)
             mode.groups.saw(route, x)
         return y
-    if route.siblings and flags.group and mode.traced and not torch.is_grad_enabled():
-        # a compiled decoding step: q/k/v (gate/up) take h from one shrink launch over x
+    if route.siblings and flags.group and mode.traced and not torch.is_grad_enabled() \
+            and not linear_decodes(x.reshape(-1, x.shape[-1]), weight, route.lora, mode.impl):
+        # a compiled decoding step that does not take the one-launch linear: q/k/v (gate/up)
+        # take h from one shrink launch over x
         shared = _shared_decode(mode, route, x)
         if shared is not None:  # (not under autocast: _shared_decode declines there)
             return expanded_decode(x, weight, bias, *shared, route.lora)

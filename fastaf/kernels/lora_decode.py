@@ -38,10 +38,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # interpreted: small tiles, so odd shapes exercise every tail and several splits
 CUDA_CONFIG = dict(BLOCK_K=128, K_PER_SPLIT=256, BLOCK_N=64, num_warps=4, num_stages=3)
 INTERPRET_CONFIG = dict(BLOCK_K=16, K_PER_SPLIT=32, BLOCK_N=16, num_warps=4, num_stages=1)
-# ``linear``'s tiles: up to 64 rows N tiles of 32 keep 64+ programs at N = 2048 (16 at the k/v
-# projections' 512); more rows take row blocks of 64 and wider N tiles
-LINEAR_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
-LINEAR_WIDE_CONFIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+# ``linear``'s tiles by rows and width: (BLOCK_N, BLOCK_K, num_warps, num_stages). At 32 rows
+# narrow N tiles and long K tiles in two warps (H200, graph-replayed, ``bench/decode.py
+# --sweep-linear``, run ed40: 0.8-1.1 us over cuBLAS's base GEMM at K = 2048, 3.7 at 8192, where
+# the first tiles (32, 128, 4, 3) took 8.5-41); more rows take wider tiles (eager calls).
+_LINEAR_TILES = {  # (most rows, at least N) -> tiles; the first that fits
+    (32, 4096): (32, 128, 2, 5),
+    (32, 0): (16, 256, 2, 4),
+    (64, 0): (32, 128, 4, 4),
+    (1 << 30, 0): (128, 64, 8, 3),
+}
 LINEAR_INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
 LINEAR_MAX_ROWS = 512  # rows ``linear`` takes: as far as it was measured to win (``linear_supported``)
 
@@ -224,14 +230,19 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: 
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
 
 
+def linear_tiles(M: int, N: int) -> dict:
+    """``linear``'s tiles on CUDA for M rows and N outputs (``_LINEAR_TILES``)."""
+    tiles = next(t for (rows, width), t in _LINEAR_TILES.items() if M <= rows and N >= width)
+    return dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), tiles))
+
+
 def _linear_plan(x: torch.Tensor, N: int, rank: int, bias: bool, config: dict | None) -> tuple:
     """(grid, meta, its key) of ``linear`` for x (M, K) and N outputs, memoized."""
     M, K = x.shape
     memo = ("linear", x.device, x.dtype, M, N, K, rank, bias, None if config is None else tuple(config.items()))
     plan = _plans.get(memo)
     if plan is None:
-        base = LINEAR_INTERPRET_CONFIG if not x.is_cuda else LINEAR_CONFIG if M <= MAX_ROWS else LINEAR_WIDE_CONFIG
-        conf = dict(base, **(config or {}))
+        conf = dict(LINEAR_INTERPRET_CONFIG if not x.is_cuda else linear_tiles(M, N), **(config or {}))
         block_m = min(padded_rank(M), FUSED_BLOCK_M)
         plan = _plans[memo] = ((-(-N // conf["BLOCK_N"]), -(-M // block_m)), *_meta(
             HAS_BIAS=bias, R_PAD=padded_rank(rank), BLOCK_M=block_m, BLOCK_N=conf["BLOCK_N"],
@@ -249,7 +260,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: 
         weight: (N, K) in x's dtype, any strides; bias: (N,) or None.
         a: (R, K), b: (N, R): float16 / bfloat16 / float32, any strides (read as they are).
         scale: the LoRA's scale.
-        config: overrides of ``LINEAR_CONFIG``'s keys (benchmarks sweep tiles).
+        config: overrides of ``linear_tiles``' keys (benchmarks sweep tiles).
     Returns:
         (M, N) in x's dtype, new.
     """

@@ -123,6 +123,23 @@ def _expand_fake(y: Tensor, part: Tensor, index: int, b: Tensor, scale: float) -
     return torch.empty_like(y)
 
 
+def _linear_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """x @ weight.T + bias + scale * (x @ a.T) @ b.T, x (M, K) -> (M, N): one Triton launch
+    (``kernels.lora_decode.linear``) where it runs, else ``F.linear`` and the reference."""
+    kernels = _kernels()
+    if kernels.linear_supported(x, weight, a, b):
+        return kernels.linear(x, weight, bias, a, b, scale)
+    return reference_add(F.linear(x, weight, bias), x, a, b, scale)
+
+
+lora_decode_linear = torch.library.custom_op("fastaf::lora_decode_linear", mutates_args=())(_linear_impl)
+
+
+@lora_decode_linear.register_fake
+def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ---- 3. functions ----------------------------------------------------------------------------
 
 
@@ -181,11 +198,11 @@ def add_lora_rows(y: Tensor, x: Tensor, lora: LoRA) -> Tensor:
 def linear_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA) -> Tensor:
     """``x @ weight.T + bias + lora.scale * (x @ A.T) @ B.T`` for an eager inference call (grad
     off, checked operands), x (M, K) -> (M, N). Up to ``kernels.lora_decode.LINEAR_MAX_ROWS`` rows
-    of a 16-bit CUDA tensor with ``eager_linear`` on, one Triton launch does the
+    of a 16-bit CUDA tensor with ``decode_linear`` on, one Triton launch does the
     base GEMM and the LoRA (``kernels.lora_decode.linear``): the one launch per linear the base
     model itself pays, where such a call is bound by host time per launch. Else cuBLAS's GEMM,
     then ``add_lora_rows``."""
-    if x.is_cuda and _config.flags().eager_linear:
+    if x.is_cuda and _config.flags().decode_linear:
         kernels = _kernels()
         if kernels.linear_supported(x, weight, lora.A, lora.B):
             return kernels.linear(x, weight, bias, lora.A, lora.B, float(lora.scale))
@@ -261,9 +278,24 @@ def expanded_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Ten
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def linear_decodes(x: Tensor, weight: Tensor, lora: LoRA, impl: str) -> bool:
+    """Whether a traced inference call on x (M, K) takes ``fastaf::lora_decode_linear`` (the base
+    GEMM and the LoRA in one launch): ``decode_linear`` on, at most ``DECODE_ROWS`` rows of a
+    CUDA tensor, impl not "addmm", a single 16-bit LoRA the kernel takes. Graph-replayed on the
+    H200 at 32 rows it costs 0.8-1.1 us over cuBLAS's GEMM alone at K = 2048 and 3.7 at 8192,
+    where the GEMM and the split pair take 5.0-5.3 and 7.1, siblings sharing a shrink 3.3-3.9
+    each (``bench/decode.py``, run ed40)."""
+    return (x.is_cuda and impl != "addmm" and _config.flags().decode_linear and x.shape[0] <= DECODE_ROWS
+            and not lora.stacked and not lora.experts and _kernels().linear_supported(x, weight, lora.A, lora.B))
+
+
 def traced_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, impl: str) -> Tensor:
     """A traced inference call without dropout (a compiled decoding step, or a compiled no_grad
-    forward): the base GEMM, then ``added_lora``. (..., N)."""
+    forward): one launch for the base GEMM and the LoRA (``linear_decodes``), else the base GEMM,
+    then ``added_lora``. (..., N)."""
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    y = added_lora(F.linear(x2, weight, bias), x2, lora, impl)
+    if linear_decodes(x2, weight, lora, impl):
+        y = lora_decode_linear(x2, weight, bias, lora.A, lora.B, float(lora.scale))
+    else:
+        y = added_lora(F.linear(x2, weight, bias), x2, lora, impl)
     return y.view(*x.shape[:-1], y.shape[-1])

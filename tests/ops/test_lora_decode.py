@@ -227,7 +227,7 @@ def test_eager_decoding_runs_one_launch_or_cublas_then_the_lora_on_cuda(M, linea
     x, w, b, lo = make(M, K=2048, N=512, r=16, dtype=torch.bfloat16, factor_dtype=torch.float32, lead=())
     x, w, b, lo = x.cuda(), w.cuda(), b.cuda(), fa.LoRA(lo.A.cuda(), lo.B.cuda(), lo.scale)
     ran = lora_decode.LINEAR.hits
-    with torch.no_grad(), _config.override(eager_linear=linear, eager_decode_kernel=kernel):
+    with torch.no_grad(), _config.override(decode_linear=linear, eager_decode_kernel=kernel):
         for _ in range(2):  # the second call takes the launch site's cached kernel
             assert_close(D.lora_linear_decode(x, w, b, lo, "q_proj"), ref(x, w, b, lo), torch.bfloat16)
     took = linear and M <= lora_decode.LINEAR_MAX_ROWS
