@@ -16,12 +16,14 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
 - fastaf-mixed16 / fastaf-mixed16-static / peft-mixed16: 16 adapters, row i decoding with adapter
   i % 16 (``fa.stack`` + ``adapter_ids``; PEFT's ``adapter_names``).
 - fwd-base, fwd-peft, fwd-fastaf, fwd-fastaf-init: one ``no_grad`` forward of 4 x 128 tokens, ms
-  (do_bench): the host cost of an adapted layer, which eager decoding pays at every step.
+  (do_bench's median, in five interleaved rounds over the forward providers): the host cost of an
+  adapted layer, which eager decoding pays at every step.
 - A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``decode_linear``
   off (a decoding step's adapted linear as cuBLAS's GEMM, then the LoRA: one Triton launch
   eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with ``eager_decode_kernel`` off too (the LoRA as
   cuBLAS's mm + addmm_), ``fastaf-static-unshared`` with ``group`` off (each sibling its own
-  shrink launch).
+  shrink launch); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
+  the adapter's factors in bf16 instead of fp32 masters.
 Before timing, each generate provider's prefill logits and its first decoding step's are checked
 against an fp32 reference (the adapters applied by ``fa.functional_call`` on an fp32 copy); greedy
 tokens of a random-weight model diverge between correct bf16 paths, so tokens are not compared. Rows go to
@@ -54,7 +56,7 @@ SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=F
             "-unshared": dict(group=False)}
 AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
       "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
-      "fastaf-static-unshared"]
+      "fastaf-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2
@@ -112,7 +114,10 @@ def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: tor
     stack = fa.stack(adapters) if any("mixed" in n for n in names) else None
     need_peft = [n for n in names if n.startswith(("peft", "fwd-peft"))]
     pm = peft_model(model, adapters if "peft-mixed16" in names else [one]) if need_peft else None
-    inited = stateful(model, one) if any("fastaf-init" in n for n in names) else None
+    inited = stateful(model, one) if any("fastaf-init" in n and "bf16" not in n for n in names) else None
+    # the stateful layer holding bf16 factors (an adapter loaded for inference), beside its fp32 masters
+    inited16 = stateful(model, fa.Adapter({p: fa.LoRA(l.A.to(model.dtype), l.B.to(model.dtype), l.scale)
+                                           for p, l in one.items()})) if any("bf16" in n for n in names) else None
     static = dict(cache_implementation="static")
     table = {
         "base": (lambda **kw: model.generate(ids, **kw), None),
@@ -123,6 +128,8 @@ def make_providers(names: list[str], model, adapters: list[fa.Adapter], ids: tor
         "fastaf-static": (lambda **kw: fa.generate(model, one, ids, **static, **kw), [one] * rows),
         "fastaf-init": (lambda **kw: inited.generate(ids, **kw), [one] * rows),
         "fastaf-init-static": (lambda **kw: inited.generate(ids, **static, **kw), [one] * rows),
+        "fastaf-init-bf16": (lambda **kw: inited16.generate(ids, **kw), [one] * rows),
+        "fastaf-init-bf16-static": (lambda **kw: inited16.generate(ids, **static, **kw), [one] * rows),
         "fastaf-mixed16": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **kw), per_row),
         "fastaf-mixed16-static": (lambda **kw: fa.generate(model, stack, ids, adapter_ids=row_ids, **static, **kw),
                                   per_row),
@@ -198,14 +205,19 @@ def main() -> None:
     rows = []
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     warmed = {}  # generate provider -> (run, prefill error, warm-up s)
+    x = ids[:4, :128]
+    fwd = {name: (lambda name=name: forward[name](x)) for name in names if name in forward}
+    with torch.no_grad():
+        # interleaved rounds: the host's speed drifts over a run (fwd-base measured 10.4 to 24.6 ms
+        # in separate runs), and a provider timed in one block took that moment's
+        timed = H.time_interleaved(fwd, rounds=5) if device == "cuda" and fwd else \
+            {name: {"ms": _wall(fn) * 1e3, "rounds": []} for name, fn in fwd.items()}
+    for name, t in timed.items():
+        rows.append({"provider": name, **case, "prompts": 4, "new_tokens": 0, "adapters": int(name != "fwd-base"),
+                     "ms": round(t["ms"], 4)})
+        print(f"{name:24s} {t['ms']:8.3f} ms  (rounds {t['rounds']})", flush=True)
     for name in names:
         if name in forward:
-            x = ids[:4, :128]
-            with torch.no_grad():
-                timed = H.time_fn(lambda: forward[name](x)) if device == "cuda" else {"ms": _wall(lambda: forward[name](x)) * 1e3}
-            rows.append({"provider": name, **case, "prompts": 4, "new_tokens": 0, "adapters": int(name != "fwd-base"),
-                         "ms": round(timed["ms"], 4)})
-            print(f"{name:24s} {timed['ms']:8.3f} ms", flush=True)
             continue
         run, per_row = table[name]
         out = run(max_new_tokens=2, min_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_logits=True)

@@ -250,7 +250,7 @@ class Adapter(Mapping[str, LoRA]):
     ``c * a`` and ``-a`` scale every delta. Every operation returns a new Adapter.
     """
 
-    __slots__ = ("_loras",)
+    __slots__ = ("_loras", "__weakref__")  # weak references: a model's last resolved adapter (routes)
     __array_ufunc__ = None  # as LoRA's: ``np.float64(0.5) * adapter`` reaches ``__rmul__``
 
     def __init__(self, loras: Mapping[str, LoRA] | Iterable[tuple[str, LoRA]] = ()) -> None:

@@ -1036,10 +1036,10 @@ def test_decoding_steps_add_the_lora_to_nn_linear_outputs_and_recast_updated_fac
         assert rel_err(by_keyword, layer.forward(x)) > 1e-2  # the LoRA is there
 
 
-def test_a_compiled_inference_call_adds_the_lora_to_each_linear_output_without_a_mode(monkeypatch):
-    """Traced with grad off, a plain nn.Linear runs its own forward and its always-called hook returns
-    the output plus the LoRA (``added_lora``): no mode, whose counters and state dynamo would write
-    back after every call. Grad on, the mode's op path runs as before. Both equal functional_call."""
+def test_a_compiled_inference_call_runs_each_linear_with_its_lora_without_a_mode(monkeypatch):
+    """Traced with grad off, a plain nn.Linear's forward set by the stateful layer computes the layer
+    and its LoRA (``traced_decode``): no mode, whose counters and state dynamo would write back
+    after every call. Grad on, the mode's op path runs as before. Both equal functional_call."""
     import fastaf._stateful as stateful_module
 
     torch._dynamo.reset()
@@ -1050,8 +1050,8 @@ def test_a_compiled_inference_call_adds_the_lora_to_each_linear_output_without_a
     model.add_new_adapter("a", adapter)
     model.set_active_adapter("a")
     added = []
-    real = stateful_module.added_lora
-    monkeypatch.setattr(stateful_module, "added_lora", lambda *a, **k: added.append(1) or real(*a, **k))
+    real = stateful_module.traced_decode
+    monkeypatch.setattr(stateful_module, "traced_decode", lambda *a, **k: added.append(1) or real(*a, **k))
     step = torch.compile(lambda ids: model(ids).logits, backend="eager")
     ids = token_batch()
     want = fa.functional_call(base, adapter, (ids,)).logits

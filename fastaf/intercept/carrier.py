@@ -213,7 +213,8 @@ def eligible(model: nn.Module, mode: LoRAMode, params: Mapping[str, Tensor] | No
         return False
     # a pre-forward hook may swap a weight in (FSDP2 registers its unsharded one; a carrier swapped
     # out would lose the adapter, which the mode follows); a compiled module would trace a carrier
-    return not any(m._forward_pre_hooks or compiled_class(m) is not None for m in model.modules())
+    walked = model.modules() if mode.modules is None else mode.modules.values()
+    return not any(m._forward_pre_hooks or compiled_class(m) is not None for m in walked)
 
 
 class carried:

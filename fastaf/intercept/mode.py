@@ -97,6 +97,7 @@ class LoRAMode(TorchFunctionMode):
         # way (__torch_function__)
         self.lean = self.traced and len(self.routes) > 0 and not self.params and not self.plain_weights
         self.impl = impl
+        self.modules: dict[str, nn.Module] | None = None  # the model's modules by path, where ``adapter_mode`` walked them
         self.grad = torch.is_grad_enabled()  # the call's grad mode: a use with grad off inside it is gradless
         self.explicit = explicit  # functional_call's (an adapter passed explicitly), or one module's
         self.ids = ids  # adapter_ids: the LoRAs are stacked and example i uses slot ids[i]
@@ -392,8 +393,11 @@ def adapter_mode(
     ``adapter_ids`` (checked by the caller) selects a stack slot per example.
     """
     check_module(model, "fastaf.functional.adapter_mode")
-    routes = resolve_routes(model, adapter, dict(params or {}), stacked=adapter_ids is not None)
-    return LoRAMode(routes, impl, ids=adapter_ids)
+    modules = dict(model.named_modules())
+    routes = resolve_routes(model, adapter, dict(params or {}), stacked=adapter_ids is not None, modules=modules)
+    mode = LoRAMode(routes, impl, ids=adapter_ids)
+    mode.modules = modules  # the walk the routes came from: the call's other checks read it, not a new one
+    return mode
 
 
 

@@ -9,6 +9,7 @@ layers that may share an input (q/k/v/o, gate/up) from the model's structure.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -136,15 +137,29 @@ def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: 
 
 
 def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
-            stacked: bool = False) -> dict[int, Route]:
+            stacked: bool = False, modules: Mapping[str, nn.Module] | None = None) -> dict[int, Route]:
     """Validate every path of ``adapter`` against ``model`` and map weight ids to routes.
 
     ``stacked``: the call has ``adapter_ids``, so every LoRA must carry the stack axis.
+    ``modules``: ``dict(model.named_modules())``, where the caller walked it already.
     """
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules()) if modules is None else modules
     check = not torch.compiler.is_compiling()
+    # the last adapter resolved on this model, again (an inference loop's every call): its paths'
+    # modules, layouts and fits stand while the model holds the same modules and weights
+    last = _resolved.get(model) if check and not params else None
+    again = last is not None and last[0]() is adapter and last[1] == stacked and last[2] == list(modules) \
+        and all(a is b for a, b in zip(last[3], modules.values()))
     routes: dict[int, Route] = {}
-    for path, lora in adapter.items():
+    resolved = []
+    for i, (path, lora) in enumerate(adapter.items()):
+        if again:
+            module, name, spec, weight = last[4][i]
+            if _held(module, name, spec) is not weight or weight.device != lora.A.device:
+                return _forget(model, resolve_routes, adapter, params, stacked, modules)
+            routes[id(weight)] = Route(path, module, weight, lora, spec, name,
+                                       branch=isinstance(spec, LinearSpec) and spec.branch)
+            continue
         module, name, spec = _resolve(modules, path, lora, model)
         weight = params.get(path if lora.experts else f"{path}.weight", _held(module, name, spec))
         if not check and is_dtensor(weight):
@@ -165,6 +180,9 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             )
         routes[id(weight)] = Route(path, module, weight, lora, spec, name,
                                    branch=isinstance(spec, LinearSpec) and spec.branch)
+        resolved.append((module, name, spec, weight))
+    if check and not params and not again:
+        _resolved[model] = (weakref.ref(adapter), stacked, list(modules), list(modules.values()), resolved)
     link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
@@ -181,6 +199,17 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             route.tied = True  # an embedding's too: its uses there stay the base weight's
     return routes
 
+
+
+# model -> (a weak reference to the adapter last resolved on it, stacked, the paths and modules walked
+# then, per path its (module, attribute, layout, weight)); weak: not kept past the model
+_resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forget(model: nn.Module, resolve: Any, *args: Any) -> dict[int, Route]:
+    """``resolve_routes`` from scratch: the model's last resolution no longer holds."""
+    _resolved.pop(model, None)
+    return resolve(model, *args[:2], stacked=args[2], modules=args[3])
 
 
 def _weight_attr(module: nn.Module) -> Any:

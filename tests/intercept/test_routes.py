@@ -1,0 +1,69 @@
+"""A model's routes for an adapter resolved again (``routes.resolve_routes``): the same adapter on
+the same model reuses its last resolution, and any change of the model's modules or weights since
+is seen as on a first call: outputs against a fresh resolution, errors naming the path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fastaf as fa
+from fastaf.intercept import routes as _routes
+
+from .._models import random_adapter, tiny_llama, token_batch
+
+
+def _fresh(model, adapter, x):
+    """The call with nothing kept from before."""
+    _routes._resolved.pop(model, None)
+    return fa.functional_call(model, adapter, (x,)).logits
+
+
+def test_the_same_adapter_again_reuses_its_resolution_and_gives_the_same_output(monkeypatch):
+    model = tiny_llama().eval()
+    adapter = random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=4, seed=1)
+    x = token_batch()
+    with torch.no_grad():
+        first = fa.functional_call(model, adapter, (x,)).logits
+        resolved = []
+        monkeypatch.setattr(_routes, "_resolve", lambda *a: resolved.append(a[1]) or (_ for _ in ()).throw(AssertionError))
+        again = fa.functional_call(model, adapter, (x,)).logits  # no path resolved anew
+        assert torch.equal(again, first) and not resolved
+        other = random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=4, seed=2)
+        with pytest.raises(AssertionError):  # another adapter: resolved from scratch
+            fa.functional_call(model, other, (x,))
+
+
+def test_a_module_or_weight_replaced_since_is_resolved_again():
+    model = tiny_llama().eval()
+    adapter = random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1)
+    x = token_batch()
+    with torch.no_grad():
+        fa.functional_call(model, adapter, (x,))
+        attn = model.model.layers[0].self_attn
+        old = attn.q_proj
+        attn.q_proj = nn.Linear(old.in_features, old.out_features, bias=False)  # a new module at the path
+        got = fa.functional_call(model, adapter, (x,)).logits
+        assert torch.equal(got, _fresh(model, adapter, x))
+        assert not torch.equal(got, fa.functional_call(model, None, (x,)).logits)  # adapted: its LoRA applies
+        fa.functional_call(model, adapter, (x,))
+        attn.v_proj.weight = nn.Parameter(attn.v_proj.weight * 2)  # a new weight on the same module
+        got = fa.functional_call(model, adapter, (x,)).logits
+        assert torch.equal(got, _fresh(model, adapter, x))
+        fa.functional_call(model, adapter, (x,))
+        attn.q_proj = nn.Linear(old.in_features + 1, old.out_features, bias=False)  # no longer fits
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: LoRA A \(4, 32\)"):
+            fa.functional_call(model, adapter, (x,))
+
+
+def test_a_weight_moved_to_another_device_in_place_is_an_error_naming_the_path():
+    model = tiny_llama().eval()
+    adapter = random_adapter(model, ["q_proj"], r=4, seed=1)
+    x = token_batch()
+    with torch.no_grad():
+        fa.functional_call(model, adapter, (x,))
+        weight = model.model.layers[1].self_attn.q_proj.weight
+        # what Module.to does: the same Parameter object, on another device
+        torch.utils.swap_tensors(weight, nn.Parameter(torch.empty_like(weight, device="meta")))
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj: LoRA A .* is on cpu but the weight is on meta"):
+            fa.functional_call(model, adapter, (x,))
