@@ -214,9 +214,11 @@ def main() -> None:
                     if H.rel_err(f(x, ws[0], a16[0], b16[0]), want) > 2e-2:
                         raise SystemExit(f"linear {conf} at K={K} N={N}: off the fp32 reference")
                     timed[values] = graph_us(lambda: [f(x, ws[i], a16[i], b16[i]) for i in range(calls)], calls)
-                    linear_sweep[M, values] = linear_sweep.get((M, values), 0.0) + (timed[values] - times["base"]) * calls
+                    over = (timed[values] - times["base"]) * calls
+                    linear_sweep[M, values] = linear_sweep.get((M, values), 0.0) + over
                 best = min(timed, key=timed.get)
-                print(f"  linear at K={K} N={N} M={M}: best {dict(zip(keys, best))} +{timed[best] - times['base']:.2f} us "
+                print(f"  linear at K={K} N={N} M={M}: best {dict(zip(keys, best))} "
+                      f"+{timed[best] - times['base']:.2f} us "
                       f"over the base (default +{times['linear'] - times['base']:.2f})", flush=True)
                 rows.append({"provider": "linear-best", **case, "us": round(timed[best], 3), "max_rel_err": 0.0})
     path = results.append(rows)

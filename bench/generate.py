@@ -20,9 +20,9 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   adapted layer, which eager decoding pays at every step.
 - A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``decode_linear``
   off (a decoding step's adapted linear as cuBLAS's GEMM, then the LoRA: one Triton launch
-  eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with ``eager_decode_kernel`` off too (the LoRA as
-  cuBLAS's mm + addmm_), ``fastaf-static-unshared`` with ``group`` off (each sibling its own
-  shrink launch); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
+  eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with
+  ``eager_decode_kernel`` off too (the LoRA as cuBLAS's mm + addmm_), ``fastaf-static-unshared``
+  with ``group`` off (each sibling its own shrink launch); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
   the adapter's factors in bf16 instead of fp32 masters.
 Before timing, each generate provider's prefill logits and its first decoding step's are checked
 against an fp32 reference (the adapters applied by ``fa.functional_call`` on an fp32 copy); greedy

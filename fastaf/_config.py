@@ -23,7 +23,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``stateful_impl`` | ``FASTAF_STATEFUL_IMPL`` | ``auto`` | the op's ``impl`` in the stateful layer (``auto``, ``triton``, ``torch``) |
 | ``fast_launch`` | ``FASTAF_FAST_LAUNCH`` | on | Triton kernels launched from a cache of compiled kernels, past Triton's launcher (read when a kernel is first launched) |
 | ``launch_graphs`` | ``FASTAF_LAUNCH_GRAPHS`` | on | eager launches of a repeated call replayed from a CUDA graph |
-| ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | a compiled decoding step's LoRA (at most 64 rows, grad off) as two Triton launches; off: plain ops |
+| ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | where a compiled decoding step's LoRA (at most 64 rows, grad off) is added to cuBLAS's GEMM, two Triton launches; off: plain ops |
 | ``eager_decode_kernel`` | ``FASTAF_EAGER_DECODE_KERNEL`` | on | an eager inference call's LoRA (at most 1024 rows on CUDA, grad off) as one Triton launch; off: cuBLAS's ``mm`` + ``addmm_`` |
 | ``decode_linear`` | ``FASTAF_DECODE_LINEAR`` | on | an inference call's adapted linear on a 16-bit CUDA tensor (grad off; eager: at most 512 rows, compiled: at most 64) as one Triton launch, its base GEMM included; off: cuBLAS's GEMM, then the LoRA (``eager_decode_kernel``, ``decode_kernel``) |
 | ``dequant`` | ``FASTAF_DEQUANT`` | on | a training call of a bitsandbytes 4-bit layer under ``functional_call`` dequantizes its weight inside fastaf's fused op (``ops.lora_dequant``); off: the layer's own forward plus the LoRA as a branch |

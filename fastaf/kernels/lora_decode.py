@@ -1,6 +1,11 @@
-"""A decoding step's LoRA in two launches: ``out = y + s * (x @ A.T) @ B.T`` for at most 64 rows.
+"""A decoding step's LoRA linear: ``out = x @ W.T + s * (x @ A.T) @ B.T`` for few rows.
 
-The base GEMM stays cuBLAS's (``F.linear``); these kernels add the LoRA to its output: a shrink
+``linear``: the base GEMM and the LoRA in one launch (``_decode_linear_kernel``), what decoding
+runs for 16-bit inputs: one launch per adapted linear, as the base model's. With narrow N tiles
+and long K tiles (``linear_tiles``) it costs 0.8-1.1 us over cuBLAS's GEMM alone at 32 rows and
+K = 2048 inside a CUDA graph, 3.7 at 8192 (``bench/decode.py --sweep-linear``, H200).
+
+The split kernels keep cuBLAS's GEMM (``F.linear``) and add the LoRA to its output: a shrink
 split over K (``_decode_shrink_kernel``, partial h per split, no memset) and an expand that sums
 the partials (``_decode_expand_kernel``). One shrink reads up to four siblings' A (``shrink``:
 q/k/v on one x), each then expanded into its own output (``expand``). At a decoding step's few
@@ -9,7 +14,8 @@ step) nothing else: cuBLAS's ``mm`` + ``addmm_`` take two launches too, but thei
 serially in few programs (``bench/decode.py``, H200, 32 rows, per layer over the base GEMM: 8.1 us
 at K = 2048 and 7.8 at 8192 for cuBLAS, 5.1 and 6.9 for these kernels; 3.5 per sibling at
 K = 2048 when three share one shrink), and an unfused graph three (two GEMMs and an add). Eager
-inference calls, bound by host time per launch, take one launch instead (``add_lora_fused``).
+calls that keep cuBLAS's GEMM, bound by host time per launch, add the LoRA in one launch
+(``add_lora_fused``).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.
@@ -20,7 +26,8 @@ import torch
 
 from . import launch_sites
 from .hardware import available
-from .lora_decode_kernels import _decode_expand_kernel, _decode_fused_kernel, _decode_linear_kernel, _decode_shrink_kernel
+from .lora_decode_kernels import (_decode_expand_kernel, _decode_fused_kernel, _decode_linear_kernel,
+                                  _decode_shrink_kernel)
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 

@@ -2,19 +2,22 @@
 
 An eager inference call (grad off) of at most ``EAGER_ROWS`` rows of a CUDA tensor is bound by
 host time: it skips the op's Function, dispatch lookup and sibling grouping
-(``lora_linear_decode``); up to 64 rows one Triton launch computes the base GEMM and the LoRA
-(``linear_rows``), above that cuBLAS's GEMM (``F.linear``) takes one launch and the LoRA added to
-its output another (``add_lora_rows``); with per-row adapter ids the grouped
-kernels' shrink and expand do it (``lora_multi_decode``). A traced one with grad off (a compiled
-decoding step, replayed from a CUDA graph) is bound by its launches' fixed GPU latency: up to
-``DECODE_ROWS`` rows it adds the LoRA with ``fastaf::lora_decode_add``, two Triton launches
-(``fastaf.kernels.lora_decode``) that read fp32 master factors as they are (``added_lora``). The
-``decode_kernel`` flag (``fastaf._config``) switches those to plain ops, which benchmarks time
-beside them; on a CPU tensor (no Triton) the op runs the torch reference.
+(``lora_linear_decode``); up to 512 rows of a 16-bit input one Triton launch computes the base
+GEMM and the LoRA (``linear_rows``), the base model's one launch per linear; elsewhere cuBLAS's
+GEMM (``F.linear``) takes one launch and the LoRA added to its output another (``add_lora_rows``);
+with per-row adapter ids the grouped kernels' shrink and expand do it (``lora_multi_decode``). A
+traced one with grad off (a compiled decoding step, replayed from a CUDA graph) is bound by its
+launches' fixed GPU latency: up to ``DECODE_ROWS`` rows of a 16-bit input it is one launch too
+(``fastaf::lora_decode_linear``, ``traced_decode``), else the LoRA is added to cuBLAS's GEMM with
+``fastaf::lora_decode_add``, two Triton launches (``fastaf.kernels.lora_decode``) that read fp32
+master factors as they are (``added_lora``), or with siblings' shared shrink
+(``lora_decode_shrink``, ``lora_decode_expand``). The ``decode_linear`` and ``decode_kernel``
+flags (``fastaf._config``) switch those off, for benchmarks to time them side by side; on a CPU
+tensor (no Triton) the ops run the torch reference.
 
-Layers, as in the other op files: the torch reference; the ``fastaf::lora_decode_add`` op with
-its fake; the functions the interception and the stateful layer call (``decoding``,
-``lora_linear_decode``, ``linear_rows``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``,
+Layers, as in the other op files: the torch reference; the ``fastaf::`` ops with their fakes; the
+functions the interception and the stateful layer call (``decoding``, ``lora_linear_decode``,
+``linear_rows``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``, ``linear_decodes``,
 ``traced_decode``).
 """
 from __future__ import annotations
