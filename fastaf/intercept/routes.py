@@ -149,13 +149,15 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
     # modules, layouts and fits stand while the model holds the same modules and weights
     last = _resolved.get(model) if check and not params else None
     again = last is not None and last[0]() is adapter and last[1] == stacked and last[2] == list(modules) \
-        and all(a is b for a, b in zip(last[3], modules.values()))
+        and all(a() is b for a, b in zip(last[3], modules.values()))
     routes: dict[int, Route] = {}
     resolved = []
     for i, (path, lora) in enumerate(adapter.items()):
         if again:
-            module, name, spec, weight = last[4][i]
-            if _held(module, name, spec) is not weight or weight.device != lora.A.device:
+            module, name, spec, kept = last[4][i]
+            module = module()
+            weight = None if module is None else _held(module, name, spec)
+            if weight is None or (id(weight), weight.shape, weight.dtype) != kept or weight.device != lora.A.device:
                 return _forget(model, resolve_routes, adapter, params, stacked, modules)
             routes[id(weight)] = Route(path, module, weight, lora, spec, name,
                                        branch=isinstance(spec, LinearSpec) and spec.branch)
@@ -180,9 +182,10 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             )
         routes[id(weight)] = Route(path, module, weight, lora, spec, name,
                                    branch=isinstance(spec, LinearSpec) and spec.branch)
-        resolved.append((module, name, spec, weight))
+        resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype)))
     if check and not params and not again:
-        _resolved[model] = (weakref.ref(adapter), stacked, list(modules), list(modules.values()), resolved)
+        _resolved[model] = (weakref.ref(adapter), stacked, list(modules), [weakref.ref(m) for m in modules.values()],
+                            resolved)
     link_siblings(routes.values())
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
@@ -201,8 +204,10 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
 
 
 
-# model -> (a weak reference to the adapter last resolved on it, stacked, the paths and modules walked
-# then, per path its (module, attribute, layout, weight)); weak: not kept past the model
+# model -> (the adapter last resolved on it, stacked, the paths and modules walked then, per path
+# its (module, attribute, layout, the weight's id, shape and dtype)); the model, its modules and
+# the adapter held weakly (nothing here keeps a model alive), the weights not at all
+# (``torch.utils.swap_tensors``, which ``Module.to`` may use, refuses a tensor with a weak reference)
 _resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
