@@ -259,7 +259,7 @@ class _Registry(nn.Module):
             self.grouping = _Grouping({modules[path]: module_routes(modules[path], loras[path]) for path in owners})
             # the parents go with the model's own hook, not the registry: a deep copy of one layer
             # (its hooks' registry) must not copy the whole model
-            start = functools.partial(self.start_call, _placements(model, list(owners)))
+            start = functools.partial(self.start_call, _Placed(model, list(owners)))
             self.call_hooks = (model.register_forward_pre_hook(start).id, self.call_hooks[1])
 
     def detach_entries(self, model: nn.Module) -> None:
@@ -296,7 +296,10 @@ class _Registry(nn.Module):
         were replaced (``load_state_dict(assign=True)``, ``to_empty``), else the cached one (read
         at every adapted layer of every step: the slot module is cached with it, and its
         Parameters are compared through ``_parameters``, not ``Module.__getattr__``)."""
-        held = self.active_loras.get(path)
+        # traced: from the slot's Parameters directly, with no cache (the cache's LoRA and the slot
+        # reach the same tensors two ways: identity guards evaluated in Python at every call)
+        traced = torch.compiler.is_compiling()
+        held = None if traced else self.active_loras.get(path)
         if held is not None:
             params, lora = held
             own = params._parameters
@@ -310,7 +313,8 @@ class _Registry(nn.Module):
                 "runs: call the model, not one of its submodules alone"
             )
         lora = params.lora(detach=False)
-        self.active_loras[path] = (params, lora)
+        if not traced:
+            self.active_loras[path] = (params, lora)
         return lora
 
     def enter_module(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> None:
@@ -348,8 +352,12 @@ class _Registry(nn.Module):
         through it; compiled, the routes' counters and the mode's state, which dynamo writes back
         after every replay of the graph. Not inside ``functional_call`` (its adapter stands in),
         nor for a weight passed for one call, nor for an input by keyword; else None."""
-        if type(module) is not nn.Linear or len(keys) != 1 or len(args) != 1 \
-                or type(module.__dict__.get("forward", _OWN)) not in (_OwnForward, _DecodeForward):
+        if type(module) is not nn.Linear or len(keys) != 1 or len(args) != 1:
+            return None
+        # read as ``Module.__call__`` reads it: traced, a second way to the same object is an identity
+        # guard that Python evaluates at every call of the graph (one per adapted layer a step)
+        forward = module.forward
+        if not isinstance(forward, _DecodeForward) and getattr(forward, "__func__", None) is not nn.Linear.forward:
             return None
         x, weight = args[0], module._parameters["weight"]
         if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
@@ -394,26 +402,31 @@ class _Registry(nn.Module):
             member.lora, member.weight = self.active_lora(member.path), weight
         return module_mode(module, impl=_config.flags().stateful_impl, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
 
-    def start_call(self, placed: tuple, model: nn.Module, args: Any) -> None:
+    def start_call(self, placed: _Placed, model: nn.Module, args: Any) -> None:
         # checked compiled too: it reads no tensor, and traced it becomes identity guards
         self.check_placed(placed, model)
         if not torch.compiler.is_compiling() and self.grouping is not None:
             self.grouping.end_call()
 
-    def check_placed(self, placed: tuple, model: nn.Module) -> None:
-        """Each module the active adapter's hooks sit on (``placed``: ``_placements``) is still
+    def check_placed(self, placed: _Placed, model: nn.Module) -> None:
+        """Each module the active adapter's hooks sit on (``placed``) is still
         where it was: a module put in its place since, or in an ancestor's (``resize_token_embeddings``'
         new lm_head, an assignment, a fresh attention block), has no hook and would run without its
         LoRA. One dict lookup per link of the paths (each link once); on a change, each path is
         resolved again through the wrappers a module may get in place (``torch.compile``'s,
         activation checkpointing's), which still run the hooked module."""
-        links, targets = placed
-        for parent, name, child in links:
-            if parent._modules.get(name) is not child:
+        # by id (the child is held here too, so its id is not reused): traced, ``is`` between the
+        # module read through the model and the one held here is an identity guard Python evaluates
+        # at every call; an id is a constant, guarded in C++ by the module's own identity
+        walked = [model]  # each module read one way, from the model down (traced: one source each)
+        for parent_at, name, _, child_id in placed.links:
+            child = walked[parent_at]._modules.get(name)
+            if id(child) != child_id:
                 break
+            walked.append(child)
         else:
             return
-        for path, module in targets:
+        for path, module in placed.targets:
             now = _resolved(model, path)
             if now is not module:
                 what = "gone" if now is None else f"another {type(now).__name__} now than the one it was activated on"
@@ -424,6 +437,9 @@ class _Registry(nn.Module):
                     "again to check the adapter against the model as it is now and apply it there, or "
                     "set_active_adapter(None)"
                 )
+        # every module in its place through its wrappers, or the model deep-copied (the ids are the
+        # copy's original's): ids as they are now, for the next call's one walk
+        placed.links = _Placed(model, [path for path, _ in placed.targets]).links
 
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
         # ``self.active`` read on every call, compiled too: a compiled function that calls the model
@@ -513,21 +529,27 @@ def _warn_compiled_above(modules: Mapping[str, nn.Module], paths: list[str]) -> 
         )
 
 
-def _placements(model: nn.Module, paths: list[str]) -> tuple[tuple, tuple]:
-    """What ``check_placed`` compares: every (parent, name, child) link on the way from ``model``
-    to the modules at ``paths``, each once, and (path, module) per path."""
-    links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
-    targets = []
-    for path in paths:
-        if not path:
-            continue  # the model itself ("") cannot be replaced inside itself
-        module = model
-        for name in path.split("."):
-            child = module._modules[name]
-            links[(id(module), name)] = (module, name, child)
-            module = child
-        targets.append((path, module))
-    return tuple(links.values()), tuple(targets)
+class _Placed:
+    """What ``check_placed`` compares: ``links``, every link on the way from ``model`` to the modules
+    at ``paths``, each once, parents first, as (the parent's place in the walk, name, child, id of
+    the child); ``targets``, (path, module) per path."""
+
+    def __init__(self, model: nn.Module, paths: list[str]) -> None:
+        links: dict[tuple[int, str], tuple[int, str, nn.Module, int]] = {}
+        at = {id(model): 0}  # module -> its place in check_placed's walk (the model first)
+        targets = []
+        for path in paths:
+            if not path:
+                continue  # the model itself ("") cannot be replaced inside itself
+            module = model
+            for name in path.split("."):
+                child = module._modules[name]
+                if (id(module), name) not in links:
+                    links[(id(module), name)] = (at[id(module)], name, child, id(child))
+                    at[id(child)] = len(links)
+                module = child
+            targets.append((path, module))
+        self.links, self.targets = tuple(links.values()), tuple(targets)
 
 
 # where a module that wraps another in place keeps it: torch.compile's OptimizedModule, activation
@@ -856,13 +878,6 @@ class _Method:
         return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
 
 
-class _OwnForward:
-    """Stands for "no forward set on the instance" in ``decodes``."""
-
-
-_OWN = _OwnForward()
-
-
 class _DecodeForward:
     """The ``forward`` set on a plain ``nn.Linear`` while an adapter is active on it: a decoding
     call (``enter_module`` opened it as ``_DECODE``) computes the layer and its LoRA together
@@ -876,8 +891,11 @@ class _DecodeForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's parameter name
         module, stack = self.module, _open_modes()
-        if stack and stack[-1][0] is module and stack[-1][1] is _DECODE:
-            registry, (key, lora) = stack[-1][2], stack[-1][3]
+        # traced, the entry on top is this layer's, pushed by its pre-hook just now (targeted modules
+        # do not nest, and nn.Linear calls nothing): comparing the module read two ways would be an
+        # identity guard evaluated in Python at every call of the graph
+        if stack and stack[-1][1] is _DECODE and (torch.compiler.is_compiling() or stack[-1][0] is module):
+            module, registry, (key, lora) = stack[-1][0], stack[-1][2], stack[-1][3]  # (traced: as the hook got it)
             weight, bias = module._parameters["weight"], module._parameters["bias"]
             stack[-1] = (module, _DONE, registry, key)
             if torch.compiler.is_compiling():  # the factors as they are: no cast kernels in the graph

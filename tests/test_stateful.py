@@ -246,9 +246,15 @@ def test_deepcopy_is_independent():
     _, model = inited()
     twin = copy.deepcopy(model)
     assert twin.forward.__self__ is twin and twin.get_adapter.__self__ is twin
+    ids = token_batch()
+    with torch.no_grad():  # the copy's placement checks hold (its modules, not the original's)
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+        twin.model.layers[0].self_attn.v_proj = torch.nn.Linear(32, 32, bias=False)
+        with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn.v_proj is another Linear now"):
+            twin(ids)
+    twin = copy.deepcopy(model)
     twin.set_active_adapter(None)
     assert model.active_adapter == "b"
-    ids = token_batch()
     with torch.no_grad():
         assert not torch.equal(twin(ids).logits, model(ids).logits)
 
