@@ -437,9 +437,15 @@ class _Registry(nn.Module):
                     "again to check the adapter against the model as it is now and apply it there, or "
                     "set_active_adapter(None)"
                 )
-        # every module in its place through its wrappers, or the model deep-copied (the ids are the
-        # copy's original's): ids as they are now, for the next call's one walk
-        placed.links = _Placed(model, [path for path, _ in placed.targets]).links
+        # every module in its place, or the model deep-copied (the ids are the copy's original's): ids
+        # as they are now, for the next call's one walk. Through a wrapper put in place since
+        # (activation checkpointing's, FSDP's) no direct walk reaches them: this check runs each call
+        try:
+            now = _Placed(model, [path for path, _ in placed.targets])
+        except KeyError:
+            return
+        if all(a is b for (_, a), (_, b) in zip(now.targets, placed.targets)):
+            placed.links = now.links
 
     def end_call(self, model: nn.Module, args: Any, output: Any) -> None:
         # ``self.active`` read on every call, compiled too: a compiled function that calls the model

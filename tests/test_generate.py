@@ -382,3 +382,35 @@ def test_cuda_decoding_steps_take_the_decode_path_and_match_the_op_path(monkeypa
     assert torch.equal(stateful.sequences, slow.sequences)
     for a, b in zip(stateful.logits, slow.logits):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_half_precision_decoding_runs_one_launch_per_adapted_linear():
+    """A bf16 model's decoding steps on CUDA run each adapted linear as one launch (the base GEMM and
+    the LoRA), eagerly and compiled, through fa.generate and the stateful layer: each step's logits
+    against the fp32 model's through functional_call, on the tokens chosen."""
+    from fastaf.kernels import lora_decode as kernels
+
+    model = tiny_llama().cuda().to(torch.bfloat16).eval().requires_grad_(False)
+    model32 = copy.deepcopy(model).float()
+    ids = token_batch(batch=2, seq=8).cuda()
+    targets = ["q_proj", "v_proj", "down_proj"]
+    adapter = fa.Adapter({p: fa.LoRA(l.A.cuda(), l.B.cuda() + 0.05, l.scale)
+                          for p, l in random_adapter(model32, targets, r=4, seed=7).items()})
+    inited = fa.init(copy.deepcopy(model))
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    for run in (lambda **k: fa.generate(model, adapter, ids, **kw, **k), lambda **k: inited.generate(ids, **kw, **k)):
+        for static in ({}, {"cache_implementation": "static"}):
+            launched = kernels.LINEAR.hits
+            out = run(**static)
+            for step in (1, 2):  # the decoding steps, after the prefill
+                seq = out.sequences[:, :ids.shape[1] + step]
+                with torch.no_grad():
+                    want = fa.functional_call(model32, adapter, (seq,)).logits[:, -1]
+                got = out.logits[step].float()
+                assert (got - want).abs().max() <= 0.05 * want.abs().max()
+            if not static:  # (compiled, the launches replay from a CUDA graph, past Python)
+                assert kernels.LINEAR.hits > launched
