@@ -40,6 +40,14 @@ def _h_over(x_ptr, a_ptr, offs_m, mask_m, k_start, k_end, R, stride_xm, stride_x
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and columns of an (M, N) output, the grid's N tiles first, and their masks."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
 def _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype: tl.constexpr, R_PAD: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     """h @ B[tile].T, fp32 (BLOCK_M, BLOCK_N): h (BLOCK_M, R_PAD) fp32 rounded to ``dtype`` first, as
@@ -115,13 +123,8 @@ def _decode_expand_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """out tile = y tile + s * h[rows] @ B[tile].T, h the sum of the shrink's SPLIT_K slices."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for s in range(SPLIT_K):
         h += tl.load(part_ptr + (s * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=mask_m[:, None], other=0.0)
@@ -146,12 +149,7 @@ def _decode_fused_kernel(
     """out tile = y tile + s * (x[rows] @ A.T) @ B[tile].T in one launch: every program computes
     the whole h of its rows (all of x and A, from L2 after the first), then its tile. For eager
     decoding, which host time bounds: one launch where the split pair takes two."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
     h = _h_over(x_ptr, a_ptr, offs_m, mask_m, 0, K, R, stride_xm, stride_xk, stride_ar, stride_ak, R_PAD, BLOCK_M,
                 BLOCK_K, DOT_PRECISION)
     _add_up(h, b_ptr, y_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, R, stride_bn, stride_br, stride_ym, stride_yn,
@@ -177,14 +175,9 @@ def _decode_linear_kernel(
     base model's one launch per linear). One pass over K reads each x tile once for both W and
     A; the base GEMM is rounded to x's dtype before the LoRA is added, as ``F.linear`` then
     ``addmm`` would."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
