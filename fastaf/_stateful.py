@@ -421,7 +421,7 @@ class _Registry(nn.Module):
         walked = [model]  # each module read one way, from the model down (traced: one source each)
         for parent_at, name, _, child_id in placed.links:
             child = walked[parent_at]._modules.get(name)
-            if id(child) != child_id:
+            if child is None or id(child) != child_id:  # (dynamo, torch 2.11, cannot trace id(None))
                 break
             walked.append(child)
         else:

@@ -158,7 +158,8 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             module = module()
             weight = None if module is None else _held(module, name, spec)
             if weight is None or (id(weight), weight.shape, weight.dtype) != kept or weight.device != lora.A.device:
-                return _forget(model, resolve_routes, adapter, params, stacked, modules)
+                del _resolved[model]  # it no longer holds: from scratch
+                return resolve_routes(model, adapter, params, stacked=stacked, modules=modules)
             routes[id(weight)] = Route(path, module, weight, lora, spec, name,
                                        branch=isinstance(spec, LinearSpec) and spec.branch)
             continue
@@ -209,12 +210,6 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
 # the adapter held weakly (nothing here keeps a model alive), the weights not at all
 # (``torch.utils.swap_tensors``, which ``Module.to`` may use, refuses a tensor with a weak reference)
 _resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _forget(model: nn.Module, resolve: Any, *args: Any) -> dict[int, Route]:
-    """``resolve_routes`` from scratch: the model's last resolution no longer holds."""
-    _resolved.pop(model, None)
-    return resolve(model, *args[:2], stacked=args[2], modules=args[3])
 
 
 def _weight_attr(module: nn.Module) -> Any:
