@@ -71,10 +71,10 @@ from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, packed_4bit,
                         module_routes)
-from .ops import add_lora_rows, added_lora, decoding, linear_rows, traced_decode
+from .ops import decoding, linear_rows, traced_decode
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
-_DECODE = "decode"  # an open module's entry without a mode: ``leave_module`` adds its LoRA to its output
+_DECODE = "decode"  # an open module's entry without a mode: its ``_DecodeForward`` runs the layer with its LoRA
 _BRANCH = "branch"  # the same for a quantized linear, whose forward fastaf never adapts (``ops.lora_branch``)
 _DONE = "done"  # an entry whose call ran fastaf's op, its LoRA included (a decoding step's, a 4-bit layer's)
 
@@ -344,8 +344,8 @@ class _Registry(nn.Module):
         stack.append((module, mode, self, counts))
 
     def decodes(self, keys: tuple[str, ...], module: nn.Module, args: Any) -> LoRA | None:
-        """The active LoRA when this call of a plain ``nn.Linear`` runs its own forward as it is, with it
-        added to its output by ``leave_module`` (exact for a linear map, PEFT's way): an eager
+        """The active LoRA when this call of a plain ``nn.Linear`` is a decoding step its forward
+        (``_DecodeForward``) computes with the LoRA, no mode entered: an eager
         inference call (``decoding``: grad off, at most 1024 rows on CUDA), or any traced call with
         grad off and no dropout drawn (a compiled decoding step). A mode per call is host time at
         every adapted layer of every step: eagerly its entry, its exit and the F.linear dispatched
@@ -356,8 +356,7 @@ class _Registry(nn.Module):
             return None
         # read as ``Module.__call__`` reads it: traced, a second way to the same object is an identity
         # guard that Python evaluates at every call of the graph (one per adapted layer a step)
-        forward = module.forward
-        if not isinstance(forward, _DecodeForward) and getattr(forward, "__func__", None) is not nn.Linear.forward:
+        if not isinstance(module.forward, _DecodeForward):
             return None
         x, weight = args[0], module._parameters["weight"]
         if not isinstance(x, torch.Tensor) or type(weight) is not nn.Parameter or x.dtype != weight.dtype:
@@ -493,14 +492,6 @@ class _Registry(nn.Module):
             if mode is _BRANCH:  # a quantized linear's output plus its LoRA (``ops.lora_branch``)
                 if sys.exc_info()[0] is None:
                     return branch_output(counts, module, args, output, self.active_lora(counts))
-                return
-            if mode is _DECODE:  # nn.Linear's own output, fresh, plus the LoRA (``decodes``)
-                if sys.exc_info()[0] is None:
-                    x, y = args[0].reshape(-1, args[0].shape[-1]), output.view(-1, output.shape[-1])  # (M, K), (M, N)
-                    key, lora = counts
-                    if torch.compiler.is_compiling():  # a new output (the hook's return), factors as they are
-                        return added_lora(y, x, lora).view(output.shape)
-                    add_lora_rows(y, x, self.decode_lora(key, lora, x.dtype))
                 return
             _close(mode)
             if mode is not None and sys.exc_info()[0] is None:

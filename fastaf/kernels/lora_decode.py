@@ -229,9 +229,9 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: 
     Where it wins (H200, bf16, r = 16, an eager call's host time, ``bench/decode.py --eager``, run
     52b2): against cuBLAS's GEMM then the one-launch LoRA, 50.4 against 68.9 us at 32 x 2048 ->
     2048, 60.3 against 75.9 at 32 x 8192 -> 2048, 71.9 against 95.9 at 512 x 2048 -> 2048, 77.2
-    against 88.7 at 512 x 8192 -> 2048; a tie at 32 x 2048 -> 8192 (73.2 against 70.9). Its GPU
-    time is above cuBLAS's (graph-replayed, 32 rows: 9.9 us over the base GEMM at 2048 -> 2048,
-    41.6 at 8192 -> 2048, against 5.2 and 7.0 for the split pair), so compiled steps keep the pair."""
+    against 88.7 at 512 x 8192 -> 2048; a tie at 32 x 2048 -> 8192 (73.2 against 70.9). Inside a
+    CUDA graph, with ``linear_tiles``' 32-row tiles: 0.8-1.1 us over the base GEMM alone at
+    K = 2048 and 3.7 at 8192, against 5.0-5.3 and 7.1 for the split pair (run ed40)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= LINEAR_MAX_ROWS and available(x)
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[0] <= MAX_RANK)
