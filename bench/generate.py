@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 prompts x 16, 8 new tokens (a smoke test)")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default generate)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-ups; each provider's best is kept")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, one generate per provider under torch.profiler: its kernels' GPU time per step")
     args = ap.parse_args()
     names = [n for n in args.providers.split(",") if n]
     unknown = sorted(set(names) - set(GENERATE) - set(FORWARD) - set(AB))
@@ -246,12 +248,33 @@ def main() -> None:
                      "tok_per_s": round(prompts * new / best[name], 1), "max_rel_err": round(err, 5)})
         print(f"{name:24s} {best[name]:8.3f} s  {prompts * new / best[name]:9.1f} tok/s  prefill err {err:.2e}  "
               f"(warm-up {warm:.1f} s)", flush=True)
+    if args.profile and device == "cuda":
+        for name, (run, _, _) in warmed.items():
+            profile_kernels(name, lambda: run(**kw), new, best[name])
     path = results.append(rows)
     print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
     base = next((r["s"] for r in rows if r["provider"] == "base"), None)
     for r in rows:
         if r.get("s") and base:
             print(f"  {r['provider']:24s} {r['s'] / base:6.3f}x base")
+
+
+def profile_kernels(name: str, fn, steps: int, wall: float, top: int = 12) -> None:
+    """Print the GPU time per decoding step of ``fn``'s kernels (CUDA-graph replays included),
+    the busiest first, beside the unprofiled wall time per step: where a provider's GPU time
+    and its wall time part, the host is what it waits on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                      if e.self_device_time_total > 0), key=lambda k: -k[1])
+    busy = sum(k[1] for k in kernels) / steps
+    print(f"-- {name}: GPU {busy:8.1f} us per step over {len(kernels)} kernels; wall {wall / steps * 1e6:8.1f} us "
+          f"per step (the prefill spread over the steps)", flush=True)
+    for key, us, count in kernels[:top]:
+        print(f"   {us / steps:8.1f} us {count / steps:7.1f}x  {key[:90]}", flush=True)
 
 
 def _wall(fn) -> float:
