@@ -229,8 +229,17 @@ def _kept(kept: collections.OrderedDict, key: tuple, make: Any) -> Any:
 
 
 def _static_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``t`` that dynamo takes as static in address and in shape.
+
+    The address: CUDA-graph replays read it in place. The shape: a decode step compiled for a
+    second structure (a stack after one adapter, say: the factors' rank changes) would otherwise
+    compile with every factor's sizes symbolic (dynamo's automatic dynamic shapes), and read
+    448 sizes in Python at every step for a 1B model's r=16 LoRA on 7 projections (H200: +1.6 ms
+    a step, cProfile of ``fa.generate``). Each structure compiles its own static graph instead.
+    """
     out = torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format)
     torch._dynamo.mark_static_address(out)  # guarded on its address: it stays one tensor while kept
+    torch._dynamo.mark_static(out)
     return out
 
 

@@ -102,6 +102,30 @@ def test_a_compiled_decode_reads_the_adapter_and_ids_from_static_tensors_kept_pe
     assert len([k for k in _generate._STATIC[model] if k[0] == "adapter"]) == 2  # one per structure
 
 
+def test_a_compiled_decode_keeps_static_shapes_when_the_adapter_structure_changes():
+    """A step compiled for a second structure (a stack and ids after one adapter) must not fall to
+    symbolic sizes (dynamo's automatic dynamic shapes): its pre-graph code would read every
+    factor's sizes in Python at every decoding step."""
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    one = random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1)
+    stack = fa.stack([one, random_adapter(model, ["q_proj", "v_proj"], r=2, seed=2)])
+    symbolic = []
+
+    def backend(gm, example_inputs):  # records whether a graph takes a symbolic size
+        symbolic.append(any(isinstance(i, torch.SymInt) for i in example_inputs))
+        return gm.forward
+
+    config = CompileConfig(backend=backend, mode=None)  # (a mode is for inductor)
+    config._compile_all_devices = True
+    static = dict(cache_implementation="static", compile_config=config)
+    torch._dynamo.reset()
+    for adapter, row_ids in ((one, None), (stack, torch.tensor([1, 0])), (one, None)):
+        want = fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW)
+        assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **static), want)
+    assert symbolic and not any(symbolic), f"graphs with symbolic sizes: {symbolic}"
+
+
 # per layer, the A's each shrink launch reads: Llama's q/k/v with o_proj (the structure's guess),
 # o_proj alone, gate/up, down_proj alone; GPT-2's c_attn with attn.c_proj, that c_proj alone,
 # mlp.c_fc and mlp.c_proj (Conv1D layers, each alone)
