@@ -20,7 +20,8 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   adapted layer, which eager decoding pays at every step.
 - A/B providers, the same under a switch (``fastaf._config``): ``-split`` with ``decode_linear``
   off (a decoding step's adapted linear as cuBLAS's GEMM, then the LoRA: one Triton launch
-  eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with
+  eagerly, shrink and expand compiled, instead of one launch for both; with ids cuBLAS's GEMM
+  and the grouped kernels' shrink and expand instead of the two-launch linear), ``-cublas`` with
   ``eager_decode_kernel`` off too (the LoRA as cuBLAS's mm + addmm_), ``fastaf-static-unshared``
   with ``group`` off (each sibling its own shrink launch); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
   the adapter's factors in bf16 instead of fp32 masters.
@@ -56,7 +57,8 @@ SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=F
             "-unshared": dict(group=False)}
 AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
       "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
-      "fastaf-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static"]
+      "fastaf-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static", "fastaf-mixed16-split",
+      "fastaf-mixed16-static-split"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2

@@ -207,6 +207,46 @@ def test_compiled_decoding_runs_each_adapted_linear_in_one_launch(arch, monkeypa
         assert torch.equal(fa.generate(model, adapter, ids, **new, **_static()), want) and not launches
 
 
+@needs_interpreter
+def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch):
+    """On CUDA a decoding step with a stack and ids (16-bit, at most 64 rows) runs each adapted
+    linear as the shrink grouped by slot, then the base GEMM with each row's LoRA
+    (``kernels.lora_decode.multi_linear``), eager and compiled: the tokens are the op path's, and
+    each row's are its adapter's alone. Here the kernels run interpreted on CPU (in fp32, where
+    CUDA takes them for 16-bit inputs only)."""
+    from fastaf import _config
+    from fastaf.intercept import use
+    from fastaf.kernels import lora_decode as kernels
+    from fastaf.ops import lora_decode
+
+    def multi_decodes(x, weight, lora, impl):  # lora_decode.multi_decodes, less its CUDA check
+        return (impl == "auto" and _config.flags().decode_linear and x.shape[0] <= lora_decode.DECODE_ROWS
+                and lora.stacked and kernels.multi_supported(x, weight, lora.A, lora.B))
+
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=3, seq=8)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    adapters = [random_adapter(model, targets, r=r, seed=r) for r in (2, 4)]
+    stack, row_ids = fa.stack(adapters), torch.tensor([1, -1, 0])
+    want = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW)  # the op path
+    monkeypatch.setattr(lora_decode, "multi_decodes", multi_decodes)
+    monkeypatch.setattr(kernels, "multi_supported", lambda x, w, a, b: x.dim() == 2 and w.dtype == x.dtype)
+    monkeypatch.setattr(use, "multi_decoding", lambda x, lora, impl, training: not torch.is_grad_enabled()
+                        and not torch.compiler.is_compiling())
+    launches, multi_linear = [], kernels.multi_linear
+    monkeypatch.setattr(kernels, "multi_linear", lambda *a, **k: launches.append(a[0].shape[0]) or multi_linear(*a, **k))
+    torch._dynamo.reset()
+    for run in (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW),
+                lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static())):
+        launches.clear()
+        assert torch.equal(run(), want)
+        # the prefill's 24 rows (eager in both), then each decoding step's 3
+        assert launches == [24] * len(stack) + [3] * len(stack) * (NEW["max_new_tokens"] - 1)
+    for i, alone in enumerate([adapters[1], None, adapters[0]]):
+        one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
+        assert torch.equal(want[i, :one.shape[1]], one[0])
+
+
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
     base = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)

@@ -27,7 +27,7 @@ import torch
 from . import launch_sites
 from .hardware import available
 from .lora_decode_kernels import (_decode_expand_kernel, _decode_fused_kernel, _decode_linear_kernel,
-                                  _decode_shrink_kernel)
+                                  _decode_shrink_kernel, _multi_decode_linear_kernel, _multi_decode_shrink_kernel)
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 
@@ -62,6 +62,8 @@ SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 6, 10)  # pointers, ints
 EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
 FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
 LINEAR = launch_sites.LaunchSite(_decode_linear_kernel, 6, 14)
+MULTI_SHRINK = launch_sites.LaunchSite(_multi_decode_shrink_kernel, 4, 9)
+MULTI_LINEAR = launch_sites.LaunchSite(_multi_decode_linear_kernel, 7, 14)
 MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
 _MEMOS.append(_plans)
@@ -277,4 +279,64 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: 
     LINEAR(grid, (x, weight, x if bias is None else bias, a, b, out, M, N, K, R, x.stride(0), x.stride(1),
                   weight.stride(0), weight.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                   out.stride(0), out.stride(1), float(scale)), meta, key)
+    return out
+
+
+def multi_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``multi_linear`` can run: x (M, K) with M <= MAX_ROWS on CUDA (or interpreted), a 16-bit x
+    and a weight (N, K) in its dtype, a stack of float factors A (n, R, K), B (n, N, R) of rank
+    <= MAX_RANK."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and available(x)
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and a.dim() == 3
+            and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[1] <= MAX_RANK)
+
+
+def _multi_plans(x: torch.Tensor, n: int, N: int, rank: int, bias: bool, config: dict | None) -> tuple:
+    """((shrink grid, meta, key), (linear grid, meta, key)) of ``multi_linear`` for x (M, K), a
+    stack of ``n`` slots, N outputs, memoized."""
+    M, K = x.shape
+    memo = ("multi", x.device, x.dtype, M, N, K, n, rank, bias, None if config is None else tuple(config.items()))
+    plans = _plans.get(memo)
+    if plans is None:
+        tiles = dict(LINEAR_INTERPRET_CONFIG if not x.is_cuda else linear_tiles(M, N), **(config or {}))
+        split_conf = CUDA_CONFIG if x.is_cuda else INTERPRET_CONFIG
+        split = max(1, -(-K // split_conf["K_PER_SPLIT"]))
+        block_m, r_pad, precision = padded_rank(M), padded_rank(rank), _dot_precision(x.dtype)
+        shrink = ((n, split), *_meta(R_PAD=r_pad, BLOCK_M=block_m, BLOCK_K=split_conf["BLOCK_K"], SPLIT_K=split,
+                                     DOT_PRECISION=precision, num_warps=split_conf["num_warps"],
+                                     num_stages=split_conf["num_stages"]))
+        linear = ((-(-N // tiles["BLOCK_N"]), 1), *_meta(
+            HAS_BIAS=bias, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"],
+            SPLIT_K=split, DOT_PRECISION=precision, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
+        plans = _plans[memo] = (shrink, linear)
+    return plans
+
+
+def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                 ids: torch.Tensor, scale: float, config: dict | None = None) -> torch.Tensor:
+    """x @ weight.T + bias + scale * (x @ A[g].T) @ B[g].T with each segment's own slot g, in two
+    launches: the shrink grouped by slot (``_multi_decode_shrink_kernel``: each slot's A read
+    once), then the base GEMM with every row's LoRA added in its epilogue
+    (``_multi_decode_linear_kernel``).
+
+    Args:
+        x: (M, K) float16 / bfloat16, M <= MAX_ROWS (``multi_supported``), any strides.
+        weight: (N, K) in x's dtype, any strides; bias: (N,) or None.
+        a: (n, R, K), b: (n, N, R): float16 / bfloat16 / float32, any strides (read as they are).
+        ids: (M // S,) int32 / int64 on x's device, contiguous, in [-1, n): segment i (rows
+            i*S .. (i+1)*S) takes slot ids[i]; -1 the base alone. Read on the device (no sync).
+        scale: the LoRA's scale.
+        config: overrides of ``linear_tiles``' keys (benchmarks sweep tiles).
+    Returns:
+        (M, N) in x's dtype, new.
+    """
+    (M, K), (n, N, R) = x.shape, b.shape
+    S = M // ids.shape[0]
+    (s_grid, s_meta, s_key), (l_grid, l_meta, l_key) = _multi_plans(x, n, N, R, bias is not None, config)
+    part = torch.empty((s_meta["SPLIT_K"], M, s_meta["R_PAD"]), device=x.device, dtype=torch.float32)
+    MULTI_SHRINK(s_grid, (x, a, ids, part, M, K, R, S, x.stride(0), x.stride(1), *a.stride()), s_meta, s_key)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, x.stride(0),
+                          x.stride(1), weight.stride(0), weight.stride(1), *b.stride(), out.stride(0),
+                          out.stride(1), float(scale)), l_meta, l_key)
     return out

@@ -48,6 +48,20 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
+               BLOCK_K: tl.constexpr):
+    """The base GEMM's tiles at k0: x (BLOCK_M, BLOCK_K) and W.T (BLOCK_K, BLOCK_N), masked past
+    M, N and K, with the K offsets and their mask."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                 mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+    return x, wt, offs_k, mask_k
+
+
+@triton.jit
 def _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype: tl.constexpr, R_PAD: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     """h @ B[tile].T, fp32 (BLOCK_M, BLOCK_N): h (BLOCK_M, R_PAD) fp32 rounded to ``dtype`` first, as
@@ -181,12 +195,8 @@ def _decode_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+        x, wt, offs_k, mask_k = _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, stride_xk,
+                                           stride_wn, stride_wk, BLOCK_K)
         acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
         at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                      mask=(offs_r[None, :] < R) & mask_k[:, None], other=0.0)  # (BLOCK_K, R_PAD)
@@ -195,5 +205,81 @@ def _decode_linear_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     base = acc.to(dtype).to(tl.float32)
     out = base + scale * _up(h, b_ptr, offs_n, mask_n, R, stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _multi_decode_shrink_kernel(
+    # pointers: x, the stacked A (n, R, K), one id per segment of S rows, the partials
+    x_ptr, a_ptr, ids_ptr, part_ptr,
+    # sizes
+    M, K, R, S,
+    # strides (part is contiguous fp32 (SPLIT_K, M, R_PAD))
+    stride_xm, stride_xk, stride_ag, stride_ar, stride_ak,
+    # meta
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """part[split, rows of slot g] = x[rows, chunk] @ A[g][:, chunk].T, the grid (slot, split).
+
+    Each slot's factors are read once, by its own programs, for every row that takes it (row m's
+    slot is ids[m // S]); a program whose slot no row takes does nothing. Rows of slot -1 are not
+    written: ``_multi_decode_linear_kernel`` masks them."""
+    g = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R_PAD)
+    slot = tl.load(ids_ptr + offs_m // S, mask=offs_m < M, other=-1)
+    mine = (offs_m < M) & (slot == g)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        acc = _h_over(x_ptr, a_ptr + g.to(tl.int64) * stride_ag, offs_m, mine, pid_k * chunk,
+                      tl.minimum(pid_k * chunk + chunk, K), R, stride_xm, stride_xk, stride_ar, stride_ak, R_PAD,
+                      BLOCK_M, BLOCK_K, DOT_PRECISION)
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * R_PAD + offs_r[None, :], acc, mask=mine[:, None])
+
+
+@triton.jit
+def _multi_decode_linear_kernel(
+    # pointers (bias_ptr unused without HAS_BIAS)
+    x_ptr, w_ptr, bias_ptr, part_ptr, b_ptr, ids_ptr, out_ptr,
+    # sizes
+    M, N, K, R, S,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_bg, stride_bn, stride_br, stride_om, stride_on,
+    # scalars
+    scale,
+    # meta
+    HAS_BIAS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out tile = x[rows] @ W[tile].T + bias[tile] + s * h[rows] @ B[slot of each row][tile].T, h
+    the sum of ``_multi_decode_shrink_kernel``'s SPLIT_K partials: the base GEMM and every row's
+    own adapter in one launch. Rows of slot -1 get the base alone. Each row's B tile is gathered
+    one rank column at a time (rows of one slot read the same lines: L1 serves the repeats)."""
+    dtype = out_ptr.dtype.element_ty
+    offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, wt, _, _ = _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, stride_xk, stride_wn,
+                                 stride_wk, BLOCK_K)
+        acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    slot = tl.load(ids_ptr + offs_m // S, mask=mask_m, other=-1)
+    live = mask_m & (slot >= 0)
+    h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        h += tl.load(part_ptr + (s * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=live[:, None], other=0.0)
+    h = h.to(dtype).to(tl.float32)  # rounded as the reference's x @ A.T
+    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_bg + offs_n[None, :] * stride_bn
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(0, R):
+        h_r = tl.sum(tl.where(offs_r[None, :] == r, h, 0.0), axis=1)  # (BLOCK_M,): h's column r
+        b_r = tl.load(b_rows + r * stride_br, mask=live[:, None] & mask_n[None, :], other=0.0)
+        up += h_r[:, None] * b_r.to(dtype).to(tl.float32)
+    out = acc.to(dtype).to(tl.float32) + scale * up
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
              mask=mask_m[:, None] & mask_n[None, :])

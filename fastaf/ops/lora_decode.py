@@ -143,6 +143,29 @@ def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _multi_linear_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
+                       scale: float) -> Tensor:
+    """x @ weight.T + bias + scale * (x @ A[g].T) @ B[g].T per segment of slot g = ids[i], x (M, K)
+    -> (M, N): two Triton launches (``kernels.lora_decode.multi_linear``) where they run, else
+    the grouped op's reference."""
+    kernels = _kernels()
+    if kernels.multi_supported(x, weight, a, b):
+        return kernels.multi_linear(x, weight, bias, a, b, ids, scale)
+    from .lora_multi import reference_fwd
+
+    return reference_fwd(x, weight, bias, a, b, ids, scale)[0]
+
+
+lora_multi_decode_linear = torch.library.custom_op("fastaf::lora_multi_decode_linear",
+                                                   mutates_args=())(_multi_linear_impl)
+
+
+@lora_multi_decode_linear.register_fake
+def _multi_linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
+                       scale: float) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ---- 3. functions ----------------------------------------------------------------------------
 
 
@@ -224,20 +247,33 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
-    """``lora_linear_multi`` for a decoding step (``decoding``) of a stack with one id per row:
-    cuBLAS's base GEMM, then the grouped kernels' shrink and expand (``fastaf.kernels.lora_multi``,
-    one segment per row, ids read on the device, -1 rows left alone) and nothing else: the op's
-    Function and level plumbing cost more host time than the three launches. x (..., K) with
-    x.numel() // K == len(ids) rows; lora stacked, A (n, R, K), B (n, N, R) in any float dtype
-    (the kernels read them as they are). (..., N) in x's dtype."""
-    from ..kernels import lora_multi
+def multi_decodes(x: Tensor, weight: Tensor, lora: LoRA, impl: str) -> bool:
+    """Whether an inference call on x (M, K) with a stack and per-segment ids takes the two-launch
+    linear (``kernels.lora_decode.multi_linear``: the shrink grouped by slot, then the base GEMM
+    with each row's LoRA in its epilogue): ``decode_linear`` on, at most ``DECODE_ROWS`` rows of a
+    16-bit CUDA tensor, impl "auto", a stack the kernels take."""
+    return (x.is_cuda and impl == "auto" and _config.flags().decode_linear and x.shape[0] <= DECODE_ROWS
+            and lora.stacked and not lora.experts and _kernels().multi_supported(x, weight, lora.A, lora.B))
 
+
+def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
+    """``lora_linear_multi`` for a decoding step (``decoding``) of a stack with one id per row
+    (ids read on the device, -1 rows left alone): up to ``DECODE_ROWS`` rows of a 16-bit input
+    two launches (``multi_decodes``), else cuBLAS's base GEMM then the grouped kernels' shrink and
+    expand (``fastaf.kernels.lora_multi``); nothing else: the op's Function and level plumbing
+    cost more host time than the launches. x (..., K) with x.numel() // K rows, a multiple of
+    len(ids); lora stacked, A (n, R, K), B (n, N, R) in any float dtype (the kernels read them as
+    they are). (..., N) in x's dtype."""
     x, weight, bias = _autocast(x, weight, bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     ids = ids.to(x.device, non_blocking=True).contiguous()
-    y = F.linear(x2, weight, bias)  # (M, N)
-    lora_multi.expand_(y, lora_multi.shrink(x2, lora.A, ids), lora.B.transpose(1, 2), ids, float(lora.scale))
+    if multi_decodes(x2, weight, lora, "auto"):
+        y = _kernels().multi_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale))
+    else:
+        from ..kernels import lora_multi
+
+        y = F.linear(x2, weight, bias)  # (M, N)
+        lora_multi.expand_(y, lora_multi.shrink(x2, lora.A, ids), lora.B.transpose(1, 2), ids, float(lora.scale))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -28,8 +28,8 @@ from ..kernels import atomics_ok
 from .._adapter import LoRA
 from .lora_linear import IMPLS, _autocast
 from ._levels import (_apply_single_level, _below, _CALL, _differentiated, _direct_level, _direct_ok,
-                      _double_backward, interpreter_stack, level_left, level_token, note_factors, own_level,
-                      _tangent_sum, _traced_apply, _VMAP, wrap_for_grad)
+                      _double_backward, _higher_order_traced, interpreter_stack, level_left, level_token, note_factors,
+                      own_level, _tangent_sum, _traced_apply, _VMAP, wrap_for_grad)
 
 # ---- 1. reference ----------------------------------------------------------------------------
 
@@ -354,6 +354,13 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     args = (x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), impl)
     level = _direct_level(x2, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x2)
+    if level < 0 and torch.compiler.is_compiling() and not torch.is_grad_enabled() and not _higher_order_traced():
+        # traced inference (a compiled decoding step): the base GEMM and each row's LoRA in two launches
+        from .lora_decode import lora_multi_decode_linear, multi_decodes
+
+        if multi_decodes(x2, weight, lora, impl):
+            y = lora_multi_decode_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale))
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     if level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
     else:

@@ -82,6 +82,41 @@ def test_the_one_launch_linear_computes_the_base_gemm_and_the_lora(M, factor_dty
     assert_close(y, ref(x, w, b, lo), torch.float16)
 
 
+def multi_ref(x, w, b, A, B, scale, ids):
+    """fp64 formula per segment: x @ W.T + b + s * (x @ A[g].T) @ B[g].T, g = ids[row // S], the
+    base alone where g is -1."""
+    S = x.shape[0] // ids.shape[0]
+    y = x.double() @ w.double().T + (0 if b is None else b.double())
+    for m in range(x.shape[0]):
+        g = int(ids[m // S])
+        if g >= 0:
+            y[m] += scale * (x[m].double() @ A[g].double().T) @ B[g].double().T
+    return y
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M,S", [(1, 1), (3, 1), (64, 1), (6, 2)])
+@pytest.mark.parametrize("factor_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_two_launch_linear_gives_each_segment_its_slot_of_the_stack(M, S, factor_dtype, bias):
+    # ids with -1 (the base alone) and repeats, a slot no row takes; K and N off the
+    # interpreter's tiles, rank 17 past tl.dot's 16, transposed views as W and A
+    from fastaf.kernels import lora_decode
+
+    g = torch.Generator().manual_seed(1)
+    K, N, R, n = 72, 40, 17, 4
+    x = torch.randn(M, K, generator=g).half()
+    w = torch.randn(N, K, generator=g).half()
+    b = torch.randn(N, generator=g).half() if bias else None
+    A = torch.randn(n, R, K, generator=g).to(factor_dtype)
+    B = (torch.randn(n, N, R, generator=g) * 0.5).to(factor_dtype)
+    ids = torch.tensor([2, -1, 0, 2, 1, 0] * 11)[:M // S].int()  # slot 3 unused
+    assert lora_decode.multi_supported(x, w, A, B)
+    y = lora_decode.multi_linear(x, w.T.contiguous().T, b, A.transpose(1, 2).contiguous().transpose(1, 2), B, ids, 0.7)
+    assert y.shape == (M, N) and y.dtype == torch.float16
+    assert_close(y, multi_ref(x, w, b, A, B, 0.7, ids), torch.float16)
+
+
 @needs_interpreter
 def test_the_one_launch_linear_takes_16_bit_inputs_only():
     from fastaf.kernels import lora_decode
@@ -261,3 +296,31 @@ def test_a_stack_decodes_examples_of_several_rows_with_one_id_each():
     assert got.shape == (2, 3, 24)
     for i, slot in enumerate((2, 0)):
         assert_close(got[i], ref(x[i], w, b, fa.LoRA(stack.A[slot], stack.B[slot], stack.scale)), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 32, 64])
+@pytest.mark.parametrize("factor_dtype", [torch.bfloat16, torch.float32])
+def test_the_two_launch_linear_matches_the_formula_on_cuda_in_bf16(M, factor_dtype):
+    # eager (lora_multi_decode) and compiled (the registered op), 16 slots, rows cycling through
+    # them with a -1 among them, at the 1B model's widths
+    from fastaf.ops import lora_multi
+
+    g = torch.Generator().manual_seed(2)
+    K, N, R, n = 2048, 512, 16, 16
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(N, K, generator=g) * 0.02).bfloat16().cuda()
+    A = (torch.randn(n, R, K, generator=g) * 0.02).to(factor_dtype).cuda()
+    B = (torch.randn(n, N, R, generator=g) * 0.02).to(factor_dtype).cuda()
+    ids = (torch.arange(M) % n).cuda()
+    ids[M // 2] = -1
+    lo = fa.LoRA(A, B, 0.7)
+    with torch.no_grad():
+        assert D.multi_decodes(x, w, lo, "auto")
+        eager = D.lora_multi_decode(x, w, None, lo, ids)
+        compiled = torch.compile(lambda x, ids: lora_multi.lora_linear_multi(x, w, None, lo, ids),
+                                 fullgraph=True)(x, ids)
+    want = multi_ref(x.cpu(), w.cpu(), None, A.cpu(), B.cpu(), 0.7, ids.cpu())
+    for y in (eager, compiled):
+        assert_close(y.cpu(), want, torch.bfloat16)
