@@ -209,8 +209,8 @@ def test_compiled_decoding_runs_each_adapted_linear_in_one_launch(arch, monkeypa
 
 @needs_interpreter
 def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch):
-    """On CUDA a decoding step with a stack and ids (16-bit, at most 64 rows) runs each adapted
-    linear as the shrink grouped by slot, then the base GEMM with each row's LoRA
+    """With ``decode_multi_linear`` on, a CUDA decoding step with a stack and ids (16-bit, at most
+    64 rows) runs each adapted linear as the shrink grouped by slot, then the base GEMM with each row's LoRA
     (``kernels.lora_decode.multi_linear``), eager and compiled: the tokens are the op path's, and
     each row's are its adapter's alone. Here the kernels run interpreted on CPU (in fp32, where
     CUDA takes them for 16-bit inputs only)."""
@@ -220,7 +220,7 @@ def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch)
     from fastaf.ops import lora_decode
 
     def multi_decodes(x, weight, lora, impl):  # lora_decode.multi_decodes, less its CUDA check
-        return (impl == "auto" and _config.flags().decode_linear and x.shape[0] <= lora_decode.DECODE_ROWS
+        return (impl == "auto" and _config.flags().decode_multi_linear and x.shape[0] <= lora_decode.DECODE_ROWS
                 and lora.stacked and kernels.multi_supported(x, weight, lora.A, lora.B))
 
     model = tiny_llama().eval().requires_grad_(False)
@@ -239,7 +239,8 @@ def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch)
     for run in (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW),
                 lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static())):
         launches.clear()
-        assert torch.equal(run(), want)
+        with _config.override(decode_multi_linear=True):  # (off by default: see _config)
+            assert torch.equal(run(), want)
         # the prefill's 24 rows (eager in both), then each decoding step's 3
         assert launches == [24] * len(stack) + [3] * len(stack) * (NEW["max_new_tokens"] - 1)
     for i, alone in enumerate([adapters[1], None, adapters[0]]):

@@ -17,6 +17,12 @@ K = 2048 when three share one shrink), and an unfused graph three (two GEMMs and
 calls that keep cuBLAS's GEMM, bound by host time per launch, add the LoRA in one launch
 (``add_lora_fused``).
 
+``multi_linear``: a stack with per-row ids in two launches, the shrink grouped by slot (each
+slot's A read once, by its own programs) and the base GEMM with each row's LoRA in its epilogue
+(``_multi_decode_shrink_kernel``, ``_multi_decode_linear_kernel``); dispatched only with the
+``decode_multi_linear`` switch on, until it is measured to beat cuBLAS's GEMM and the grouped
+kernels' shrink and expand (``fastaf.kernels.lora_multi``).
+
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.
 """
@@ -63,7 +69,7 @@ EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
 FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
 LINEAR = launch_sites.LaunchSite(_decode_linear_kernel, 6, 14)
 MULTI_SHRINK = launch_sites.LaunchSite(_multi_decode_shrink_kernel, 4, 9)
-MULTI_LINEAR = launch_sites.LaunchSite(_multi_decode_linear_kernel, 7, 14)
+MULTI_LINEAR = launch_sites.LaunchSite(_multi_decode_linear_kernel, 7, 15)
 MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
 _MEMOS.append(_plans)
@@ -336,7 +342,7 @@ def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     part = torch.empty((s_meta["SPLIT_K"], M, s_meta["R_PAD"]), device=x.device, dtype=torch.float32)
     MULTI_SHRINK(s_grid, (x, a, ids, part, M, K, R, S, x.stride(0), x.stride(1), *a.stride()), s_meta, s_key)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, x.stride(0),
+    MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, n, x.stride(0),
                           x.stride(1), weight.stride(0), weight.stride(1), *b.stride(), out.stride(0),
                           out.stride(1), float(scale)), l_meta, l_key)
     return out

@@ -12,6 +12,9 @@ reference's ``x @ A.T``; out tile = y tile + s * h @ B[tile].T. out may be y its
 inference calls, bound by host time per launch).
 ``_decode_linear_kernel``: the base GEMM too, in the same launch and the same pass over K (eager
 decoding: one launch per adapted linear, as the base model's).
+``_multi_decode_shrink_kernel`` and ``_multi_decode_linear_kernel``: a stack with one slot per
+segment of rows (ids on the device, -1 the base alone): partial h per slot and split of K, then
+the base GEMM with each row's LoRA, one tensor-core dot per slot present, in its epilogue.
 
 Why two launches: one kernel that computes the whole h in every program of the expand reads
 all of x and A per program, and at K = 8192 that is what it waits on: it lost to cuBLAS's
@@ -244,8 +247,8 @@ def _multi_decode_shrink_kernel(
 def _multi_decode_linear_kernel(
     # pointers (bias_ptr unused without HAS_BIAS)
     x_ptr, w_ptr, bias_ptr, part_ptr, b_ptr, ids_ptr, out_ptr,
-    # sizes
-    M, N, K, R, S,
+    # sizes: rows, outputs, K, rank, rows per segment, slots
+    M, N, K, R, S, SLOTS,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_bg, stride_bn, stride_br, stride_om, stride_on,
     # scalars
@@ -256,8 +259,11 @@ def _multi_decode_linear_kernel(
 ):
     """out tile = x[rows] @ W[tile].T + bias[tile] + s * h[rows] @ B[slot of each row][tile].T, h
     the sum of ``_multi_decode_shrink_kernel``'s SPLIT_K partials: the base GEMM and every row's
-    own adapter in one launch. Rows of slot -1 get the base alone. Each row's B tile is gathered
-    one rank column at a time (rows of one slot read the same lines: L1 serves the repeats)."""
+    own adapter in one launch. Rows of slot -1 get the base alone. The epilogue takes the slots
+    one at a time: for each slot some row of the block takes, one tensor-core dot of those rows'
+    h (the others zeroed) with that slot's B tile, read once. (A gather of each row's B tile, one
+    rank column at a time, cost 17.6 us a call on the H200 at 32 rows, 1B widths, against 9.9
+    for the one-adapter linear: ``bench/results/generate.csv``, run 8f88.)"""
     dtype = out_ptr.dtype.element_ty
     offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
@@ -269,17 +275,16 @@ def _multi_decode_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     slot = tl.load(ids_ptr + offs_m // S, mask=mask_m, other=-1)
-    live = mask_m & (slot >= 0)
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for s in range(SPLIT_K):
-        h += tl.load(part_ptr + (s * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=live[:, None], other=0.0)
-    h = h.to(dtype).to(tl.float32)  # rounded as the reference's x @ A.T
-    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_bg + offs_n[None, :] * stride_bn
+        h += tl.load(part_ptr + (s * M + offs_m[:, None]) * R_PAD + offs_r[None, :],
+                     mask=(mask_m & (slot >= 0))[:, None], other=0.0)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r in range(0, R):
-        h_r = tl.sum(tl.where(offs_r[None, :] == r, h, 0.0), axis=1)  # (BLOCK_M,): h's column r
-        b_r = tl.load(b_rows + r * stride_br, mask=live[:, None] & mask_n[None, :], other=0.0)
-        up += h_r[:, None] * b_r.to(dtype).to(tl.float32)
+    for g in range(0, SLOTS):
+        rows = mask_m & (slot == g)
+        if tl.max(rows.to(tl.int32), axis=0) > 0:
+            up += _up(tl.where(rows[:, None], h, 0.0), b_ptr + g * stride_bg, offs_n, mask_n, R,
+                      stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
     out = acc.to(dtype).to(tl.float32) + scale * up
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
              mask=mask_m[:, None] & mask_n[None, :])

@@ -5,7 +5,9 @@ host time: it skips the op's Function, dispatch lookup and sibling grouping
 (``lora_linear_decode``); up to 512 rows of a 16-bit input one Triton launch computes the base
 GEMM and the LoRA (``linear_rows``), the base model's one launch per linear; elsewhere cuBLAS's
 GEMM (``F.linear``) takes one launch and the LoRA added to its output another (``add_lora_rows``);
-with per-row adapter ids the grouped kernels' shrink and expand do it (``lora_multi_decode``). A
+with per-row adapter ids the grouped kernels' shrink and expand do it (``lora_multi_decode``), or
+with ``decode_multi_linear`` on two launches, eager and traced (``multi_decodes``,
+``fastaf::lora_multi_decode_linear``). A
 traced one with grad off (a compiled decoding step, replayed from a CUDA graph) is bound by its
 launches' fixed GPU latency: up to ``DECODE_ROWS`` rows of a 16-bit input it is one launch too
 (``fastaf::lora_decode_linear``, ``traced_decode``), else the LoRA is added to cuBLAS's GEMM with
@@ -17,8 +19,8 @@ tensor (no Triton) the ops run the torch reference.
 
 Layers, as in the other op files: the torch reference; the ``fastaf::`` ops with their fakes; the
 functions the interception and the stateful layer call (``decoding``, ``lora_linear_decode``,
-``linear_rows``, ``add_lora_rows``, ``lora_multi_decode``, ``added_lora``, ``linear_decodes``,
-``traced_decode``).
+``linear_rows``, ``add_lora_rows``, ``multi_decodes``, ``lora_multi_decode``, ``added_lora``,
+``linear_decodes``, ``traced_decode``).
 """
 from __future__ import annotations
 
@@ -250,9 +252,10 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
 def multi_decodes(x: Tensor, weight: Tensor, lora: LoRA, impl: str) -> bool:
     """Whether an inference call on x (M, K) with a stack and per-segment ids takes the two-launch
     linear (``kernels.lora_decode.multi_linear``: the shrink grouped by slot, then the base GEMM
-    with each row's LoRA in its epilogue): ``decode_linear`` on, at most ``DECODE_ROWS`` rows of a
+    with each row's LoRA in its epilogue): ``decode_multi_linear`` on (off by default: not yet
+    measured to beat cuBLAS's GEMM and the grouped kernels), at most ``DECODE_ROWS`` rows of a
     16-bit CUDA tensor, impl "auto", a stack the kernels take."""
-    return (x.is_cuda and impl == "auto" and _config.flags().decode_linear and x.shape[0] <= DECODE_ROWS
+    return (x.is_cuda and impl == "auto" and _config.flags().decode_multi_linear and x.shape[0] <= DECODE_ROWS
             and lora.stacked and not lora.experts and _kernels().multi_supported(x, weight, lora.A, lora.B))
 
 

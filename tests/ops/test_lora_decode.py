@@ -316,7 +316,7 @@ def test_the_two_launch_linear_matches_the_formula_on_cuda_in_bf16(M, factor_dty
     ids = (torch.arange(M) % n).cuda()
     ids[M // 2] = -1
     lo = fa.LoRA(A, B, 0.7)
-    with torch.no_grad():
+    with torch.no_grad(), _config.override(decode_multi_linear=True):
         assert D.multi_decodes(x, w, lo, "auto")
         eager = D.lora_multi_decode(x, w, None, lo, ids)
         compiled = torch.compile(lambda x, ids: lora_multi.lora_linear_multi(x, w, None, lo, ids),
