@@ -2,7 +2,10 @@
 same tokens as the dynamic path and as PEFT, no graph break from fastaf, and no new graph when the
 adapter's values, the active adapter or the ids change. CPU: the decode step compiles with the
 eager backend (``CompileConfig._compile_all_devices``)."""
+import contextlib
 import copy
+import io
+import logging
 
 import peft
 import pytest
@@ -124,6 +127,40 @@ def test_a_compiled_decode_keeps_static_shapes_when_the_adapter_structure_change
         want = fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW)
         assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **static), want)
     assert symbolic and not any(symbolic), f"graphs with symbolic sizes: {symbolic}"
+
+
+@contextlib.contextmanager
+def _python_guards():
+    """Yields a list that gets, after the block, how many guards of the graphs compiled in it
+    Python evaluates at every call (dynamo's LAMBDA_GUARDs; the others run in C++)."""
+    log, logger = io.StringIO(), logging.getLogger("torch._dynamo")
+    handler = logging.StreamHandler(log)
+    logger.addHandler(handler)
+    torch._logging.set_logs(guards=True)
+    counted: list = []
+    try:
+        yield counted
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(handler)
+        counted.append(log.getvalue().count("LAMBDA_GUARD"))
+
+
+def test_a_compiled_decode_step_has_no_python_guard_per_adapted_layer():
+    """Dynamo guards an object reached two ways in a trace with an identity check Python
+    evaluates at every call of the graph: fastaf's part of the step (the routes' resolution over
+    the model's modules, the mode's scan of each op's arguments) must add none per layer, where
+    it added four per layer (type checks on each module and on each cache layer's device)."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    counts = []
+    for layers in (1, 2):
+        model = tiny_llama(layers=layers).eval().requires_grad_(False)
+        adapter = random_adapter(model, targets, r=4, seed=1)
+        torch._dynamo.reset()
+        with _python_guards() as counted:
+            fa.generate(model, adapter, token_batch(batch=2, seq=8), max_new_tokens=3, do_sample=False, **_static())
+        counts.append(counted[0])
+    assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
 
 
 # per layer, the A's each shrink launch reads: Llama's q/k/v with o_proj (the structure's guess),

@@ -315,7 +315,7 @@ class LoRAMode(TorchFunctionMode):
                         return True
                 elif a.dim() == 2 and a._base is not None and a._base.dim() == 2:
                     return True
-            elif type(a) in (list, tuple) and self._holds_routed(a):
+            elif isinstance(a, (list, tuple)) and self._holds_routed(a):  # (type(a) in ...: a Python guard per arg)
                 return True
         return False
 

@@ -219,6 +219,10 @@ def _weight_attr(module: nn.Module) -> Any:
     for held in (module._parameters, module._buffers, module.__dict__):
         if "weight" in held:
             return held["weight"]
+    if torch.compiler.is_compiling():
+        # traced, dynamo reads the attribute itself; ``type(module)`` here put an identity check
+        # that Python evaluates at every call of the graph (a LAMBDA_GUARD) on each module
+        return getattr(module, "weight", None)
     if type(module).__getattr__ is nn.Module.__getattr__ and not hasattr(type(module), "weight"):
         return None
     return getattr(module, "weight", None)  # a property (a parametrization), a class's own __getattr__
