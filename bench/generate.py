@@ -189,7 +189,8 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default generate)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-ups; each provider's best is kept")
     ap.add_argument("--profile", action="store_true",
-                    help="after timing, one generate per provider under torch.profiler: its kernels' GPU time per step")
+                    help="after timing, one generate per provider under torch.profiler (its kernels' GPU time per "
+                         "step) and one under cProfile (its Python functions' own time per step)")
     args = ap.parse_args()
     names = [n for n in args.providers.split(",") if n]
     unknown = sorted(set(names) - set(GENERATE) - set(FORWARD) - set(AB))
@@ -254,6 +255,7 @@ def main() -> None:
     if args.profile and device == "cuda":
         for name, (run, _, _) in warmed.items():
             profile_kernels(name, lambda: run(**kw), new, best[name])
+            profile_host(name, lambda: run(**kw), new)
     path = results.append(rows)
     print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
     base = next((r["s"] for r in rows if r["provider"] == "base"), None)
@@ -278,6 +280,26 @@ def profile_kernels(name: str, fn, steps: int, wall: float, top: int = 12) -> No
           f"per step (the prefill spread over the steps)", flush=True)
     for key, us, count in kernels[:top]:
         print(f"   {us / steps:8.1f} us {count / steps:7.1f}x  {key[:90]}", flush=True)
+
+
+def profile_host(name: str, fn, steps: int, top: int = 15) -> None:
+    """Print the Python functions ``fn`` spends its own time in per decoding step (cProfile), the
+    busiest first: what a step's host time beyond the GPU's goes to (guards and graph inputs run in
+    a compiled step's own frame, CUDA-graph trees' checks in theirs)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive, own s, cumulative s, callers)
+    busiest = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"-- {name}: host, own time per step", flush=True)
+    for (file, line, function), (calls, _, own, cumulative, _) in busiest:
+        print(f"   {own / steps * 1e6:8.1f} us own {cumulative / steps * 1e6:8.1f} cum {calls / steps:7.1f}x  "
+              f"{function} ({Path(file).name}:{line})", flush=True)
 
 
 def _wall(fn) -> float:
