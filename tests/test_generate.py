@@ -93,11 +93,13 @@ def test_a_compiled_decode_reads_the_adapter_and_ids_from_static_tensors_kept_pe
         assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **_static()), want)
         kept = _generate._STATIC[model]
         held = next(v for k, v in reversed(kept.items()) if k[0] == "adapter")
-        for path, lora in adapter.items():  # the last call's values, in tensors dynamo takes as static
-            for mine, theirs in ((held[path].A, lora.A), (held[path].B, lora.B)):
-                assert torch.equal(mine, theirs) and mine is not theirs
-                assert getattr(mine, "_dynamo_static_input_type", None) is not None
-        addresses.append(held["model.layers.0.self_attn.q_proj"].A.data_ptr())
+        assert len(held.buffers) == 1  # one dtype and device: one flat buffer, one graph input
+        assert all(getattr(b, "_dynamo_static_input_type", None) is not None for b in held.buffers)
+        for path, lora in adapter.items():  # the last call's values, in views of a buffer dynamo takes as static
+            for mine, theirs in ((held.eager[path].A, lora.A), (held.eager[path].B, lora.B)):
+                assert torch.equal(mine, theirs) and mine is not theirs and mine._base is held.buffers[0]
+                assert (mine.data_ptr() - held.buffers[0].data_ptr()) % 128 == 0  # aligned as the buffer is
+        addresses.append(held.eager["model.layers.0.self_attn.q_proj"].A.data_ptr())
         if row_ids is not None:
             static_ids = next(v for k, v in kept.items() if k[0] == "ids")
             assert torch.equal(static_ids, row_ids) and static_ids._dynamo_static_input_type is not None
@@ -127,6 +129,32 @@ def test_a_compiled_decode_keeps_static_shapes_when_the_adapter_structure_change
         want = fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW)
         assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **static), want)
     assert symbolic and not any(symbolic), f"graphs with symbolic sizes: {symbolic}"
+
+
+def test_a_compiled_decode_step_takes_the_adapter_as_one_input_per_buffer():
+    """The step's graph reads the packed static copy (one flat buffer per dtype, the LoRAs views
+    made inside the graph): it takes as many tensor inputs as the base model's step, plus at
+    most that buffer, not two per adapted layer (each an input the host fetches and checks at
+    every call)."""
+    model = tiny_llama(layers=2).eval().requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                             r=4, seed=1)
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.append(len(example_inputs))
+        return gm.forward
+
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True
+    static = dict(cache_implementation="static", compile_config=config)
+    ids = token_batch(batch=2, seq=8)
+    torch._dynamo.reset()
+    model.generate(ids, **NEW, **static)
+    torch._dynamo.reset()
+    want = fa.generate(model, adapter, ids, **NEW)
+    assert torch.equal(fa.generate(model, adapter, ids, **NEW, **static), want)
+    assert len(inputs) == 2 and inputs[1] <= inputs[0] + 1, f"graph inputs, base then adapted: {inputs}"
 
 
 @contextlib.contextmanager
@@ -394,7 +422,7 @@ def test_a_half_precision_model_decodes_with_its_fp32_factors_cast_once_and_the_
     assert not torch.equal(tokens, model.generate(ids, **NEW))
     assert torch.equal(fa.generate(model, adapter, ids, **NEW, **_static()), tokens)
     held = next(v for k, v in _generate._STATIC[model].items() if k[0] == "adapter")
-    assert held["model.layers.0.self_attn.q_proj"].A.dtype == torch.bfloat16
+    assert held.eager["model.layers.0.self_attn.q_proj"].A.dtype == torch.bfloat16
 
 
 def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypatch):
