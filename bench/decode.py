@@ -56,29 +56,6 @@ CASE = ("K", "N", "rows", "r", "calls")
 FIGURES = ("us", "max_rel_err")
 
 
-def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """``fn`` (``calls`` linears) captured in one CUDA graph; the best of 5 timings of ``reps``
-    replays, per call, in us."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps / calls)
-    return best
-
-
 def _compiled():
     return torch.compile(lambda x, w, a, b: F.linear(x, w) + SCALE * F.linear(F.linear(x, a), b), dynamic=False)
 
@@ -109,7 +86,7 @@ def shared_us(x, ws, a16, b16, calls: int) -> tuple[float, float]:
     want = F.linear(x.float(), ws[0].float()) + SCALE * (x.float() @ a16[0].float().T) @ b16[0].float().T
     err = H.rel_err(layer(0)[0], want)
     trios = calls - calls % 3
-    return graph_us(lambda: [layer(i) for i in range(0, trios, 3)], trios), err
+    return H.graph_us(lambda: [layer(i) for i in range(0, trios, 3)], trios), err
 
 
 def eager_rows(rows_arg: str) -> list[dict]:
@@ -191,7 +168,7 @@ def main() -> None:
                 err = 0.0 if provider == "base" else H.rel_err(f(x, ws[0], a32[0], b32[0], a16[0], b16[0]), want)
                 if err > 2e-2:
                     raise SystemExit(f"{provider} at K={K} N={N} M={M}: {err:.3g} off the fp32 reference")
-                times[provider] = graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)],
+                times[provider] = H.graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)],
                                            calls)
                 rows.append({"provider": provider, **case, "us": round(times[provider], 3), "max_rel_err": round(err, 5)})
             if K == 2048:  # q/k/v-like siblings on one x
@@ -204,7 +181,7 @@ def main() -> None:
                 for values in itertools.product((128, 256), (256, 512, 1024), (32, 64, 128), (4,), (2, 3)):
                     conf = dict(zip(keys, values))
                     f = one_call("kernel", conf)
-                    us = graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)], calls)
+                    us = H.graph_us(lambda: [f(x, ws[i], a32[i], b32[i], a16[i], b16[i]) for i in range(calls)], calls)
                     sweep[values] = sweep.get(values, 0.0) + (us - times["base"]) * calls
             if args.sweep_linear:
                 keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -220,7 +197,7 @@ def main() -> None:
                             continue
                         if err > 2e-2:
                             raise SystemExit(f"linear {conf} at K={K} N={N} M={M}: {err:.3g} off the fp32 reference")
-                        timed[values] = graph_us(lambda: [f(x, ws[i], a_s[i], b_s[i]) for i in range(calls)], calls)
+                        timed[values] = H.graph_us(lambda: [f(x, ws[i], a_s[i], b_s[i]) for i in range(calls)], calls)
                         over = (timed[values] - times["base"]) * calls
                         linear_sweep[M, factors, values] = linear_sweep.get((M, factors, values), 0.0) + over
                     best = min(timed, key=timed.get)

@@ -13,28 +13,31 @@ TRITON = available(torch.empty(0))  # on the CPU: under TRITON_INTERPRET=1 (make
 CASES = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 
 
+@pytest.mark.parametrize("kernel", ["bytes", "blocks"])
 @pytest.mark.parametrize("quant_type,nested", CASES)
 @pytest.mark.skipif(not TRITON, reason="no Triton interpreter (TRITON_INTERPRET=1)")
-def test_the_kernel_equals_bitsandbytes_dequantization(quant_type, nested):
+def test_the_kernel_equals_bitsandbytes_dequantization(quant_type, nested, kernel):
     """fastaf's one-launch kernel (interpreted here) against bitsandbytes' own ops, bit for bit in
     fp32, on a weight whose size is no multiple of the kernel's block (a tail program). Rows of
     whole 64-value blocks: bitsandbytes' CPU dequantization (0.50) misplaces the absmaxes of rows
     that are not (its values then differ from its CUDA kernel's, and from the weight)."""
     from fastaf.kernels import dequant_4bit
 
-    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3)) / 8
+    w = torch.randn(41, 192, generator=torch.Generator().manual_seed(3)) / 8  # 123 blocks: a tail program for each kernel
     q, state = bnb_functional.quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
     want = bnb_functional.dequantize_4bit(q, state)
     extra = (state.state2.absmax, state.state2.code, state.offset) if nested else (None, None, None)
-    out = torch.empty(40, 192)
+    out = torch.empty(41, 192)
+    assert dequant_4bit.supported(q, state.blocksize, kernel)
     got = dequant_4bit.dequant_4bit(q, state.absmax, *extra, quant_type, state.blocksize,
-                                    state.state2.blocksize if nested else 0, out)
+                                    state.state2.blocksize if nested else 0, out, kernel=kernel)
     assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["bytes", "blocks"])
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_the_kernel_equals_bitsandbytes_on_cuda_in_bf16(quant_type):
+def test_the_kernel_equals_bitsandbytes_on_cuda_in_bf16(quant_type, kernel):
     """Bit for bit against bitsandbytes' CUDA kernels on a whole MLP weight, double-quantized: the
     kernel rounds code2 * absmax2 and + offset apart as bitsandbytes' two ops do (with FMA
     contraction allowed, a 14336 x 4096 weight differed on the H200; 4096 x 4096 and 1024 x 4096 did not)."""
@@ -45,5 +48,5 @@ def test_the_kernel_equals_bitsandbytes_on_cuda_in_bf16(quant_type):
     want = bnb_functional.dequantize_4bit(q, state)
     out = torch.empty_like(want)
     got = dequant_4bit.dequant_4bit(q, state.absmax, state.state2.absmax, state.state2.code, state.offset, quant_type,
-                                    state.blocksize, state.state2.blocksize, out)
+                                    state.blocksize, state.state2.blocksize, out, kernel=kernel)
     assert torch.equal(got, want)
