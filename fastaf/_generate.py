@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from torch import nn
 
 from ._adapter import Adapter, LoRA
 from ._layouts import check_module
+from ._packed import Packed, marked_static
 from .intercept import combine, scoped_call
 
 
@@ -124,7 +124,7 @@ class _AdaptedForward:
         if not torch.compiler.is_compiling() and threading.get_ident() != self.thread:
             return self.inner(*args, **kwargs)  # (traced, it is the generating thread's decode step)
         adapter = self.adapter
-        if isinstance(adapter, _Packed):  # traced, its LoRAs are views made inside the graph
+        if isinstance(adapter, Packed):  # traced, its LoRAs are views made inside the graph
             adapter = adapter.traced() if torch.compiler.is_compiling() else adapter.eager
         return scoped_call(self.module, adapter, lambda: self.inner(*args, **kwargs), adapter_ids=self.ids,
                            carry=False, warn_unused=False)
@@ -183,10 +183,10 @@ _STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STATIC_KEPT = 4  # structures per model: each holds a copy of an adapter's factors on its device
 
 
-def _static_copy(model: nn.Module, adapter: Adapter, ids: Any) -> tuple[_Packed, Any]:
+def _static_copy(model: nn.Module, adapter: Adapter, ids: Any) -> tuple[Packed, Any]:
     """``adapter`` and ``ids`` copied into tensors kept per model and structure (paths, shapes,
     dtypes, devices, scales) and marked static for dynamo: the adapter packed into one flat
-    buffer per dtype and device (``_Packed``).
+    buffer per dtype and device (``Packed``).
 
     A compiled decode step under CUDA graphs (``mode="reduce-overhead"``) copies every tensor
     input that is not static into a graph buffer at each replay: one copy per factor per step, 2 x
@@ -202,65 +202,13 @@ def _static_copy(model: nn.Module, adapter: Adapter, ids: Any) -> tuple[_Packed,
         kept = _STATIC[model] = collections.OrderedDict()
     key = ("adapter",) + tuple((path, l.A.shape, l.A.dtype, l.A.device, l.B.shape, l.B.dtype, l.scale, l.dropout,
                                 l.experts) for path, l in adapter.items())
-    held = _kept(kept, key, lambda: _Packed(adapter))
+    held = _kept(kept, key, lambda: Packed(adapter))
     held.fill(adapter)
     if isinstance(ids, torch.Tensor):
         ids = _static_ids(kept, ids)
     elif isinstance(ids, tuple):
         ids = tuple(_static_ids(kept, one, i) for i, one in enumerate(ids))
     return held, ids
-
-
-_ALIGN = 64  # elements: each factor's view starts 128-byte aligned in its buffer, as an allocation would
-_PACKED = itertools.count()  # each _Packed's layout key
-
-
-class _Packed:
-    """An adapter's factors in one flat static buffer per (dtype, device), for a compiled decode step.
-
-    ``traced()`` builds the Adapter inside the trace, each factor a view of its buffer, so the
-    graph takes one tensor per buffer as input instead of two per adapted layer (each an input
-    fetched through its object path and checked at every call: 75 against 14 us a call for 224
-    of them against one, on a CPU). ``eager`` is the same Adapter built once, for the calls that
-    run eagerly (the prefill).
-    """
-
-    def __init__(self, adapter: Adapter) -> None:
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-
-        def place(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-            where = (t.dtype, t.device)
-            start = sizes.get(where, 0)
-            sizes[where] = start + -(-t.numel() // _ALIGN) * _ALIGN
-            return list(sizes).index(where), start, tuple(t.shape)
-
-        # under a key of its own: traced, the layout's ints are read through a source that names the
-        # key, so a second structure's offsets are not the same inputs changed (dynamo would make
-        # ints that change between compilations of a frame symbolic: automatic dynamic shapes)
-        self.key = f"packed-{next(_PACKED)}"
-        self.layouts = {self.key: tuple((path, place(l.A), place(l.B), float(l.scale), float(l.dropout),
-                                         bool(l.experts)) for path, l in adapter.items())}
-        self.buffers = tuple(_marked_static(torch.empty(max(size, 1), dtype=dtype, device=device))
-                             for (dtype, device), size in sizes.items())
-        self.eager = self.traced()
-
-    def _view(self, spec: tuple[int, int, tuple[int, ...]]) -> torch.Tensor:
-        which, start, shape = spec
-        numel = 1
-        for size in shape:
-            numel *= size
-        return self.buffers[which][start:start + numel].view(shape)
-
-    def traced(self) -> Adapter:
-        """The adapter as views of the buffers (inside a trace: views in the graph)."""
-        return Adapter._unchecked({path: LoRA(self._view(a), self._view(b), scale, dropout, experts)
-                                   for path, a, b, scale, dropout, experts in self.layouts[self.key]})
-
-    def fill(self, adapter: Adapter) -> None:
-        """Copy ``adapter``'s values (its structure the one packed) into the buffers, in place."""
-        with torch.no_grad():
-            dst = [t for l in self.eager.values() for t in (l.A, l.B)]
-            torch._foreach_copy_(dst, [t for l in adapter.values() for t in (l.A, l.B)])
 
 
 def _static_ids(kept: collections.OrderedDict, ids: torch.Tensor, which: int = 0) -> torch.Tensor:
@@ -283,23 +231,9 @@ def _kept(kept: collections.OrderedDict, key: tuple, make: Any) -> Any:
 
 
 def _static_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``t`` that dynamo takes as static in address and in shape (``_marked_static``)."""
-    return _marked_static(torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format))
+    """An empty tensor like ``t`` that dynamo takes as static in address and in shape (``marked_static``)."""
+    return marked_static(torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format))
 
-
-def _marked_static(t: torch.Tensor) -> torch.Tensor:
-    """``t``, marked for dynamo as static in address and in shape.
-
-    The address: CUDA-graph replays read it in place. The shape: a decode step compiled for a
-    second structure (a stack after one adapter, say: the factors' rank changes) would otherwise
-    compile with every factor's sizes symbolic (dynamo's automatic dynamic shapes), and read
-    448 sizes in Python at every step for a 1B model's r=16 LoRA on 7 projections (H200, cProfile
-    of ``fa.generate``: 7.3 ms a step compiled second against 5.2 compiled first, in two runs).
-    Each structure compiles its own static graph instead.
-    """
-    torch._dynamo.mark_static_address(t)  # guarded on its address: it stays one tensor while kept
-    torch._dynamo.mark_static(t)
-    return t
 
 
 # caches transformers' generate can compile a decode step over (their shapes are fixed)

@@ -28,6 +28,18 @@ def _static() -> dict:
     return dict(cache_implementation="static", compile_config=config)
 
 
+def _recording_static(graphs: list) -> dict:
+    """``_static()``'s keywords with a backend that appends each compiled graph's example inputs
+    to ``graphs`` (and runs the graph as it is)."""
+    def backend(gm, example_inputs):
+        graphs.append(list(example_inputs))
+        return gm.forward
+
+    config = CompileConfig(backend=backend, mode=None)  # (a mode is for inductor)
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config)
+
+
 def _graphs() -> int:
     return counters["stats"].get("unique_graphs", 0)
 
@@ -115,19 +127,13 @@ def test_a_compiled_decode_keeps_static_shapes_when_the_adapter_structure_change
     ids = token_batch(batch=2, seq=8)
     one = random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1)
     stack = fa.stack([one, random_adapter(model, ["q_proj", "v_proj"], r=2, seed=2)])
-    symbolic = []
-
-    def backend(gm, example_inputs):  # records whether a graph takes a symbolic size
-        symbolic.append(any(isinstance(i, torch.SymInt) for i in example_inputs))
-        return gm.forward
-
-    config = CompileConfig(backend=backend, mode=None)  # (a mode is for inductor)
-    config._compile_all_devices = True
-    static = dict(cache_implementation="static", compile_config=config)
+    graphs: list = []
+    static = _recording_static(graphs)
     torch._dynamo.reset()
     for adapter, row_ids in ((one, None), (stack, torch.tensor([1, 0])), (one, None)):
         want = fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW)
         assert torch.equal(fa.generate(model, adapter, ids, adapter_ids=row_ids, **NEW, **static), want)
+    symbolic = [any(isinstance(i, torch.SymInt) for i in inputs) for inputs in graphs]
     assert symbolic and not any(symbolic), f"graphs with symbolic sizes: {symbolic}"
 
 
@@ -139,21 +145,15 @@ def test_a_compiled_decode_step_takes_the_adapter_as_one_input_per_buffer():
     model = tiny_llama(layers=2).eval().requires_grad_(False)
     adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                              r=4, seed=1)
-    inputs = []
-
-    def backend(gm, example_inputs):
-        inputs.append(len(example_inputs))
-        return gm.forward
-
-    config = CompileConfig(backend=backend, mode=None)
-    config._compile_all_devices = True
-    static = dict(cache_implementation="static", compile_config=config)
+    graphs: list = []
+    static = _recording_static(graphs)
     ids = token_batch(batch=2, seq=8)
     torch._dynamo.reset()
     model.generate(ids, **NEW, **static)
     torch._dynamo.reset()
     want = fa.generate(model, adapter, ids, **NEW)
     assert torch.equal(fa.generate(model, adapter, ids, **NEW, **static), want)
+    inputs = [len(g) for g in graphs]
     assert len(inputs) == 2 and inputs[1] <= inputs[0] + 1, f"graph inputs, base then adapted: {inputs}"
 
 
@@ -331,6 +331,34 @@ def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_it
         assert torch.equal(got, fa.generate(base, adapters[name], ids, **NEW))
     assert _graphs() == graphs, "the adapter coming back compiled a new graph"
     assert not _fastaf_breaks(), counters["graph_break"]
+
+
+def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_factors_change():
+    """While the stateful layer's ``generate`` runs, its compiled step reads the active adapter
+    packed (one flat buffer: the base step's graph inputs plus one); factors changed in place
+    since (an optimizer step) are copied again at the next ``generate``, with no new graph; a
+    compiled call outside ``generate`` reads the Parameters as they are."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj", "down_proj"], r=4, seed=1))
+    model.set_active_adapter("a")
+    graphs: list = []
+    static = _recording_static(graphs)
+    torch._dynamo.reset()
+    base.generate(ids, **NEW, **static)
+    torch._dynamo.reset()
+    for step in range(2):
+        want = fa.generate(base, model.get_adapter("a"), ids, **NEW)
+        assert torch.equal(model.generate(ids, **NEW, **static), want)
+        with torch.no_grad():  # as an optimizer step would: in place
+            for params in model.fastaf.adapters["a"].values():
+                params.B.add_(0.05 * torch.randn_like(params.B))
+    inputs = [len(g) for g in graphs]
+    assert len(inputs) == 2 and inputs[1] <= inputs[0] + 1, f"graph inputs, base then stateful: {inputs}"
+    with torch.no_grad():
+        compiled = torch.compile(lambda x: model(x).logits, backend="eager")(ids)
+        assert torch.allclose(compiled, fa.functional_call(base, model.get_adapter("a"), (ids,)).logits, atol=1e-5)
 
 
 def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
