@@ -905,17 +905,29 @@ class _Method:
         self.__func__, self.__self__ = fn, model
         self.__name__, self.__doc__ = fn.__name__.lstrip("_"), fn.__doc__
         self.__qualname__ = f"{type(model).__name__}.{self.__name__}"
-        signature = inspect.signature(fn)  # less the model, as a bound method's
-        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.__func__)  # less the model, as a bound method's
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__func__(self.__self__, *args, **kwargs)
 
     def __reduce__(self) -> tuple:
-        return _Method, (self.__func__, self.__self__)
+        return type(self), (self.__func__, self.__self__)
 
     def __repr__(self) -> str:
         return f"<fastaf method {self.__name__} of {type(self.__self__).__name__} at {id(self.__self__):#x}>"
+
+
+class _GenerateMethod(_Method):
+    """``_generate`` bound to one model: its signature is the class's ``generate``'s, which
+    callers read (pipelines, Trainer) as they would the method it stands over."""
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.__self__).generate.__get__(self.__self__))
 
 
 class _DecodeForward:
@@ -1060,7 +1072,7 @@ def init(model: nn.Module) -> nn.Module:
     for name, fn in (*_METHODS.items(), *_OVERRIDES.items()):
         setattr(model, name, _Method(fn, model))
     if callable(getattr(type(model), "generate", None)) and "generate" not in model.__dict__:
-        model.generate = _Method(_generate, model)
+        model.generate = _GenerateMethod(_generate, model)
     model.active_adapter = None  # the active adapter's name, as PEFT's property gives it
     if getattr(model, "is_quantized", False):
         # transformers' Trainer refuses to train a quantized base ("purely quantized models") unless

@@ -4,6 +4,7 @@ adapter's values, the active adapter or the ids change. CPU: the decode step com
 eager backend (``CompileConfig._compile_all_devices``)."""
 import contextlib
 import copy
+import inspect
 import io
 import logging
 
@@ -341,6 +342,7 @@ def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_
     base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     model = fa.init(copy.deepcopy(base))
+    assert inspect.signature(model.generate) == inspect.signature(base.generate)  # the class's, as callers read it
     model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj", "down_proj"], r=4, seed=1))
     model.set_active_adapter("a")
     graphs: list = []
