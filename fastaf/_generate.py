@@ -63,7 +63,7 @@ def generate(
     present = adapter is not None and len(adapter) > 0
     if present:
         adapter = _in_compute_dtype(model, adapter)
-    if _compiles(model, generate_kwargs):
+    if compiles_decode_step(model, generate_kwargs):
         if present:
             adapter, ids = _static_copy(model, adapter, ids)
         with _adapted_calls(model, adapter, ids):
@@ -240,7 +240,7 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
 _COMPILEABLE_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
 
 
-def _compiles(model: nn.Module, generate_kwargs: dict) -> bool:
+def compiles_decode_step(model: nn.Module, generate_kwargs: dict) -> bool:
     """Whether this generate may compile the decode step (``model.get_compiled_call``): a
     ``compile_config`` passed, a static-shape cache asked for (``cache_implementation`` as a keyword,
     else in the ``generation_config`` passed, else in the model's own) or passed (``past_key_values``)."""

@@ -70,6 +70,7 @@ from torch import nn
 
 from . import _config
 from ._layouts import check_module, linear_spec
+from ._generate import compiles_decode_step
 from ._packed import Packed
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
@@ -1014,7 +1015,8 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     (``_Registry.pack``); any other call of the model meanwhile, eager or compiled, reads them as
     they are. (Bound by ``init`` on models with a ``generate``.)"""
     registry = _registry(self)
-    previous, registry.generating = registry.generating, registry.pack()
+    packed = registry.pack() if compiles_decode_step(self, kwargs) else None  # (eager steps read the factors)
+    previous, registry.generating = registry.generating, packed
     try:
         return type(self).generate(self, *args, **kwargs)
     finally:

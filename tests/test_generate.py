@@ -335,16 +335,19 @@ def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_it
 
 
 def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_factors_change():
-    """While the stateful layer's ``generate`` runs, its compiled step reads the active adapter
-    packed (one flat buffer: the base step's graph inputs plus one); factors changed in place
-    since (an optimizer step) are copied again at the next ``generate``, with no new graph; a
-    compiled call outside ``generate`` reads the Parameters as they are."""
+    """While the stateful layer's ``generate`` runs with a compiled decoding step, the step reads
+    the active adapter packed (one flat buffer: the base step's graph inputs plus one); factors
+    changed in place since (an optimizer step) are copied again at the next ``generate``, with no
+    new graph; an eager ``generate`` packs nothing, and a compiled call outside ``generate`` reads
+    the Parameters as they are."""
     base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     model = fa.init(copy.deepcopy(base))
     assert inspect.signature(model.generate) == inspect.signature(base.generate)  # the class's, as callers read it
     model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj", "down_proj"], r=4, seed=1))
     model.set_active_adapter("a")
+    model.generate(ids, **NEW)
+    assert model.fastaf.packed is None  # an eager generate reads the Parameters: nothing packed for it
     graphs: list = []
     static = _recording_static(graphs)
     torch._dynamo.reset()
