@@ -405,10 +405,11 @@ class _Registry(nn.Module):
         structure = tuple((key, l.A.shape, l.B.shape, l.A.device, dtype, l.scale, l.dropout)
                           for key, (l, dtype) in loras.items())
         if self.packed is None or self.packed[0] != structure:
-            like = Adapter._unchecked({key: LoRA(torch.empty(l.A.shape, dtype=dtype, device=l.A.device),
-                                                 torch.empty(l.B.shape, dtype=dtype, device=l.B.device), l.scale,
-                                                 l.dropout) for key, (l, dtype) in loras.items()})
-            self.packed = [structure, None, Packed(like)]
+            def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # its shape in dtype, nothing allocated
+                return torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
+
+            self.packed = [structure, None, Packed(Adapter._unchecked(
+                {key: LoRA(like(l.A, dtype), like(l.B, dtype), l.scale, l.dropout) for key, (l, dtype) in loras.items()}))]
         stamp = tuple((id(t), t._version) for l, _ in loras.values() for t in (l.A, l.B))
         if self.packed[1] != stamp:
             self.packed[2].fill(Adapter._unchecked({key: l for key, (l, _) in loras.items()}))
