@@ -252,12 +252,13 @@ def main() -> None:
                      "tok_per_s": round(prompts * new / best[name], 1), "max_rel_err": round(err, 5)})
         print(f"{name:24s} {best[name]:8.3f} s  {prompts * new / best[name]:9.1f} tok/s  prefill err {err:.2e}  "
               f"(warm-up {warm:.1f} s)", flush=True)
+    # the rows before the profiles: a run cut short while profiling keeps its timings
+    path = results.append(rows)
+    print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})", flush=True)
     if args.profile and device == "cuda":
         for name, (run, _, _) in warmed.items():
             profile_kernels(name, lambda: run(**kw), new, best[name])
             profile_host(name, lambda: run(**kw), new)
-    path = results.append(rows)
-    print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})")
     base = next((r["s"] for r in rows if r["provider"] == "base"), None)
     for r in rows:
         if r.get("s") and base:
