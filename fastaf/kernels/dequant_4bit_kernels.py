@@ -8,11 +8,15 @@ def _absmax(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, NESTED_
             NESTED: tl.constexpr):
     """The fp32 absmax of quantization blocks ``block``: stored, or under double quantization
     (``NESTED``) a uint8 index into ``code2`` times its own block's ``absmax2``, plus ``offset``."""
+    # one return of one type: triton 3.6 types every return of a jit function, pruned branches too
+    # (a uint8 absmax pointer's load would make the other branch's type disagree)
     if NESTED:
         index = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        return tl.load(code2_ptr + index, mask=mask, other=0.0) * \
+        scale = tl.load(code2_ptr + index, mask=mask, other=0.0) * \
             tl.load(absmax2_ptr + block // NESTED_BLOCKSIZE, mask=mask, other=0.0) + tl.load(offset_ptr)
-    return tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return scale.to(tl.float32)
 
 
 @triton.jit

@@ -50,3 +50,28 @@ def test_the_kernel_equals_bitsandbytes_on_cuda_in_bf16(quant_type, kernel):
     got = dequant_4bit.dequant_4bit(q, state.absmax, state.state2.absmax, state.state2.code, state.offset, quant_type,
                                     state.blocksize, state.state2.blocksize, out, kernel=kernel)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", ["bytes", "blocks"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_the_kernels_compile_for_hopper(kernel, nested):
+    """Each kernel compiled for an sm_90 GPU, here without one: the interpreter does not type-check,
+    and a jit helper whose two branches returned a uint8 and an fp32 ran under it yet failed to
+    compile on the H200 (triton 3.6 types every return, pruned branches too)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from fastaf.kernels import dequant_4bit_kernels
+
+    pointers = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
+                "code2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "out_ptr": "*bf16", "n_bytes": "i32"}
+    if kernel == "blocks":
+        fn, sizes = dequant_4bit_kernels._dequant_4bit_blocks_kernel, {"n_blocks": "i32"}
+        constants = {"HALF_BLOCK": 32, "BLOCKS": 32}
+    else:
+        fn, sizes, constants = dequant_4bit_kernels._dequant_4bit_kernel, {}, {"BLOCKSIZE": 64, "BLOCK_BYTES": 1024}
+    constants.update(NESTED_BLOCKSIZE=256, NESTED=nested)
+    signature = {**pointers, **sizes, **{name: "constexpr" for name in constants}}
+    source = triton.compiler.ASTSource(fn, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    assert "ttgir" in compiled.asm
