@@ -23,8 +23,9 @@ timed in ``--repeats`` rounds over all of them in a seeded random order, keeping
   eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with
   ``eager_decode_kernel`` off too (the LoRA as cuBLAS's mm + addmm_), ``fastaf-static-unshared``
   with ``group`` off (each sibling its own shrink launch), ``fastaf-mixed16-multi`` /
-  ``fastaf-mixed16-static-multi`` with ``decode_multi_linear`` on (two launches per adapted
-  linear with ids, instead of cuBLAS's GEMM and the grouped kernels' shrink and expand); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
+  ``fastaf-mixed16-static-multi`` with ``decode_multi_linear`` ``always`` (two launches per adapted
+  linear with ids, the base GEMM in the LoRA's, instead of cuBLAS's GEMM, the shrink and the
+  expand); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
   the adapter's factors in bf16 instead of fp32 masters.
 Before timing, each generate provider's prefill logits and its first decoding step's are checked
 against an fp32 reference (the adapters applied by ``fa.functional_call`` on an fp32 copy); greedy
@@ -55,7 +56,7 @@ GENERATE = ["base", "base-static", "peft", "peft-static", "fastaf", "fastaf-stat
 FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
 # the same providers under a switch, for A/Bs in one process: provider suffix -> flags
 SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=False, eager_decode_kernel=False),
-            "-unshared": dict(group=False), "-multi": dict(decode_multi_linear=True)}
+            "-unshared": dict(group=False), "-multi": dict(decode_multi_linear="always")}
 AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
       "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
       "fastaf-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static", "fastaf-mixed16-multi",

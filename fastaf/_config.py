@@ -26,7 +26,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | where a compiled decoding step's LoRA (at most 64 rows, grad off) is added to cuBLAS's GEMM, two Triton launches; off: plain ops |
 | ``eager_decode_kernel`` | ``FASTAF_EAGER_DECODE_KERNEL`` | on | an eager inference call's LoRA (at most 1024 rows on CUDA, grad off) as one Triton launch; off: cuBLAS's ``mm`` + ``addmm_`` |
 | ``decode_linear`` | ``FASTAF_DECODE_LINEAR`` | on | an inference call's adapted linear on a 16-bit CUDA tensor (grad off; eager: at most 512 rows, compiled: at most 64) as one Triton launch, its base GEMM included; off: cuBLAS's GEMM, then the LoRA (``eager_decode_kernel``, ``decode_kernel``) |
-| ``decode_multi_linear`` | ``FASTAF_DECODE_MULTI_LINEAR`` | off | an inference call with a stack and per-row ids on a 16-bit CUDA tensor (grad off, at most 64 rows) as two Triton launches, the shrink grouped by slot and the base GEMM with each row's LoRA in its epilogue; off: cuBLAS's GEMM, then the grouped kernels' shrink and expand. Off until measured to win: its first epilogue lost on the H200 (``docs/design.md``, Decoding) |
+| ``decode_multi_linear`` | ``FASTAF_DECODE_MULTI_LINEAR`` | ``never`` | an inference call with a stack and per-row ids on a 16-bit CUDA tensor (grad off, at most 64 rows) computes the base GEMM in the LoRA's launch, each row's LoRA in its epilogue (two launches, the shrink grouped by slot first): in ``eager`` calls only (bound by host time per launch), ``always`` or ``never`` (cuBLAS's GEMM, then the shrink and an expand). Slower on the GPU than cuBLAS (``docs/design.md``, Decoding) |
 | ``dequant`` | ``FASTAF_DEQUANT`` | on | a training call of a bitsandbytes 4-bit layer under ``functional_call`` dequantizes its weight inside fastaf's fused op (``ops.lora_dequant``); off: the layer's own forward plus the LoRA as a branch |
 | ``dequant_kernel`` | ``FASTAF_DEQUANT_KERNEL`` | on | that dequantization as fastaf's one-launch Triton kernel on CUDA; off: bitsandbytes' ops (two launches under double quantization) |
 
@@ -45,6 +45,7 @@ from typing import Any
 _SHARE_INPUT = ("compiled", "always", "never")
 _DISPATCH = ("measured", "triton", "addmm")
 _MULTI_FUSE = ("measured", "fused", "unfused")
+_DECODE_MULTI_LINEAR = ("eager", "always", "never")
 _IMPLS = ("auto", "triton", "torch")
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -65,7 +66,7 @@ class Flags:
     decode_kernel: bool = True
     eager_decode_kernel: bool = True
     decode_linear: bool = True
-    decode_multi_linear: bool = False
+    decode_multi_linear: str = "never"
     dequant: bool = True
     dequant_kernel: bool = True
 
@@ -76,7 +77,7 @@ class Flags:
                 raise TypeError(f"fastaf flag {field.name!r} takes True or False, got {value!r} "
                                 f"({type(value).__name__})")
         for name, allowed in (("share_input", _SHARE_INPUT), ("dispatch", _DISPATCH), ("multi_fuse", _MULTI_FUSE),
-                              ("stateful_impl", _IMPLS)):
+                              ("stateful_impl", _IMPLS), ("decode_multi_linear", _DECODE_MULTI_LINEAR)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"fastaf flag {name!r} takes one of {allowed}, got {getattr(self, name)!r}")
 

@@ -274,20 +274,22 @@ def test_compiled_decoding_runs_each_adapted_linear_in_one_launch(arch, monkeypa
 
 
 @needs_interpreter
-def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch):
-    """With ``decode_multi_linear`` on, a CUDA decoding step with a stack and ids (16-bit, at most
-    64 rows) runs each adapted linear as the shrink grouped by slot, then the base GEMM with each row's LoRA
-    (``kernels.lora_decode.multi_linear``), eager and compiled: the tokens are the op path's, and
-    each row's are its adapter's alone. Here the kernels run interpreted on CPU (in fp32, where
-    CUDA takes them for 16-bit inputs only)."""
+@pytest.mark.parametrize("mode", ["never", "eager", "always"])
+def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(monkeypatch, mode):
+    """A CUDA decoding step with a stack and ids (16-bit, at most 64 rows) runs each adapted linear
+    as cuBLAS's GEMM plus the shrink grouped by slot and the expand (``kernels.lora_decode.
+    multi_add_``), or where ``decode_multi_linear`` says so (eager calls, or always) the shrink
+    and the GEMM with each row's LoRA in its epilogue (``multi_linear``), eager and compiled: the
+    tokens are the op path's, and each row's are its adapter's alone. Here the kernels run
+    interpreted on CPU (in fp32, where CUDA takes them for 16-bit inputs only)."""
     from fastaf import _config
     from fastaf.intercept import use
     from fastaf.kernels import lora_decode as kernels
     from fastaf.ops import lora_decode
 
     def multi_decodes(x, weight, lora, impl):  # lora_decode.multi_decodes, less its CUDA check
-        return (impl == "auto" and _config.flags().decode_multi_linear and x.shape[0] <= lora_decode.DECODE_ROWS
-                and lora.stacked and kernels.multi_supported(x, weight, lora.A, lora.B))
+        return (impl == "auto" and x.shape[0] <= lora_decode.DECODE_ROWS and lora.stacked
+                and kernels.multi_supported(x, weight, lora.A, lora.B))
 
     model = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=3, seq=8)
@@ -299,16 +301,21 @@ def test_decoding_with_ids_runs_each_adapted_linear_in_two_launches(monkeypatch)
     monkeypatch.setattr(kernels, "multi_supported", lambda x, w, a, b: x.dim() == 2 and w.dtype == x.dtype)
     monkeypatch.setattr(use, "multi_decoding", lambda x, lora, impl, training: not torch.is_grad_enabled()
                         and not torch.compiler.is_compiling())
-    launches, multi_linear = [], kernels.multi_linear
-    monkeypatch.setattr(kernels, "multi_linear", lambda *a, **k: launches.append(a[0].shape[0]) or multi_linear(*a, **k))
+    launches = []
+    for name in ("multi_linear", "multi_add_"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, name=name, kernel=kernel, **k:
+                            launches.append((name, a[1 if name == "multi_add_" else 0].shape[0])) or kernel(*a, **k))
+    eager, traced = ("multi_linear" if mode in ("eager", "always") else "multi_add_",
+                     "multi_linear" if mode == "always" else "multi_add_")
     torch._dynamo.reset()
-    for run in (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW),
-                lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static())):
+    for run, step in ((lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW), eager),
+                      (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static()), traced)):
         launches.clear()
-        with _config.override(decode_multi_linear=True):  # (off by default: see _config)
+        with _config.override(decode_multi_linear=mode):
             assert torch.equal(run(), want)
         # the prefill's 24 rows (eager in both), then each decoding step's 3
-        assert launches == [24] * len(stack) + [3] * len(stack) * (NEW["max_new_tokens"] - 1)
+        assert launches == [(eager, 24)] * len(stack) + [(step, 3)] * len(stack) * (NEW["max_new_tokens"] - 1)
     for i, alone in enumerate([adapters[1], None, adapters[0]]):
         one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
         assert torch.equal(want[i, :one.shape[1]], one[0])

@@ -17,11 +17,14 @@ K = 2048 when three share one shrink), and an unfused graph three (two GEMMs and
 calls that keep cuBLAS's GEMM, bound by host time per launch, add the LoRA in one launch
 (``add_lora_fused``).
 
-``multi_linear``: a stack with per-row ids in two launches, the shrink grouped by slot (each
-slot's A read once, by its own programs) and the base GEMM with each row's LoRA in its epilogue
-(``_multi_decode_shrink_kernel``, ``_multi_decode_linear_kernel``); dispatched only with the
-``decode_multi_linear`` switch on, until it is measured to beat cuBLAS's GEMM and the grouped
-kernels' shrink and expand (``fastaf.kernels.lora_multi``).
+A stack with per-row ids: ``multi_add_`` keeps cuBLAS's GEMM and adds each row's LoRA in two
+launches, the shrink grouped by slot (``multi_shrink``: each slot's A read once, by its own
+programs, partials without a zeroed buffer) and the grouped expand summing the partials
+(``kernels.lora_multi.expand_``). ``multi_linear`` takes one launch less: the same shrink, then
+the base GEMM with each row's LoRA in its epilogue (``_multi_decode_linear_kernel``), slower on
+the GPU than cuBLAS's GEMM (H200: 2029 us a step against about 1100 for the GEMMs and 654 for the
+LoRA's launches) but one host launch fewer, which eager decoding is bound by
+(``decode_multi_linear``).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.
@@ -36,6 +39,7 @@ from .lora_decode_kernels import (_decode_expand_kernel, _decode_fused_kernel, _
                                   _decode_shrink_kernel, _multi_decode_linear_kernel, _multi_decode_shrink_kernel)
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
+from .lora_multi import expand_
 
 MAX_ROWS = 64  # the (BLOCK_M, BLOCK_K) x tile and (BLOCK_M, R_PAD) h stay in registers
 FUSED_MAX_ROWS = 1024  # rows add_lora_fused takes (in row blocks of at most FUSED_BLOCK_M)
@@ -318,6 +322,28 @@ def _multi_plans(x: torch.Tensor, n: int, N: int, rank: int, bias: bool, config:
     return plans
 
 
+def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, N: int = 0, bias: bool = False,
+                 config: dict | None = None) -> torch.Tensor:
+    """The partials of h = x @ A[g].T per segment of slot g = ids[i], one launch grouped by slot
+    (``_multi_decode_shrink_kernel``: each slot's A read once, by its own programs; no zeroed
+    buffer). x (M, K) as in ``multi_linear``, a (n, R, K). Returns fp32 (SPLIT_K, M, R_PAD), summed
+    over its first dim by the reader; rows of -1 segments are left unwritten. ``N``, ``bias``,
+    ``config``: the linear's, for ``multi_linear``'s shared plan (unread by the shrink)."""
+    (M, K), (n, R) = x.shape, a.shape[:2]
+    (grid, meta, key), _ = _multi_plans(x, n, N, R, bias, config)
+    part = torch.empty((meta["SPLIT_K"], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
+    MULTI_SHRINK(grid, (x, a, ids, part, M, K, R, M // ids.shape[0], x.stride(0), x.stride(1), *a.stride()), meta, key)
+    return part
+
+
+def multi_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """y += scale * (x @ A[g].T) @ B[g].T per segment of slot g = ids[i], in place, in two launches:
+    ``multi_shrink``, then the grouped expand summing its partials (``kernels.lora_multi.expand_``).
+    The base GEMM stays cuBLAS's. y (M, N) in x's dtype; x, a, b, ids as in ``multi_linear``."""
+    return expand_(y, multi_shrink(x, a, ids), b.transpose(1, 2), ids, scale)
+
+
 def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                  ids: torch.Tensor, scale: float, config: dict | None = None) -> torch.Tensor:
     """x @ weight.T + bias + scale * (x @ A[g].T) @ B[g].T with each segment's own slot g, in two
@@ -338,9 +364,8 @@ def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     (M, K), (n, N, R) = x.shape, b.shape
     S = M // ids.shape[0]
-    (s_grid, s_meta, s_key), (l_grid, l_meta, l_key) = _multi_plans(x, n, N, R, bias is not None, config)
-    part = torch.empty((s_meta["SPLIT_K"], M, s_meta["R_PAD"]), device=x.device, dtype=torch.float32)
-    MULTI_SHRINK(s_grid, (x, a, ids, part, M, K, R, S, x.stride(0), x.stride(1), *a.stride()), s_meta, s_key)
+    part = multi_shrink(x, a, ids, N, bias is not None, config)
+    _, (l_grid, l_meta, l_key) = _multi_plans(x, n, N, R, bias is not None, config)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, n, x.stride(0),
                           x.stride(1), weight.stride(0), weight.stride(1), *b.stride(), out.stride(0),

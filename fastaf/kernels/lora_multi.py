@@ -85,7 +85,7 @@ def _splits(device: torch.device, programs: int, steps: int) -> int:
 # (kernel, pointer args, int args): see launch_sites
 SITES = {
     "h": launch_sites.LaunchSite(_multi_h_kernel, 4, 8),
-    "expand": launch_sites.LaunchSite(_multi_expand_kernel, 4, 8),
+    "expand": launch_sites.LaunchSite(_multi_expand_kernel, 4, 10),
     "dh": launch_sites.LaunchSite(_multi_dh_kernel, 4, 8),
     "dfactor": launch_sites.LaunchSite(_multi_dfactor_kernel, 4, 9),
     "gemm": launch_sites.LaunchSite(_multi_gemm_kernel, 7, 13),
@@ -166,18 +166,22 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def expand_(y: torch.Tensor, h: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """y += s * h @ u[g] in place, per segment. y (T, N), h fp32 (T, R), u (n, R, N) any strides."""
+    """y += s * h @ u[g] in place, per segment. y (T, N), u (n, R, N) any strides; h fp32 (T, R),
+    or the (SPLIT, T, >= R) partials of a split shrink, summed here (``kernels.lora_decode.
+    multi_shrink``'s: no zeroed buffer, no atomics), each with the rank at unit stride."""
     T, N = y.shape
-    R, n_seg = h.shape[1], ids.shape[0]
+    parts = h if h.dim() == 3 else h.unsqueeze(0)  # (SPLIT, T, >= R)
+    R, n_seg, split = u.shape[1], ids.shape[0], parts.shape[0]
     S = T // n_seg
-    memo = ("expand", y.device, y.dtype, _tf32(y.dtype), S, n_seg, N, R)
+    memo = ("expand", y.device, y.dtype, _tf32(y.dtype), S, n_seg, N, R, split)
     plan = _plans.get(memo)
     if plan is None:
         bm, bn = _block_m(S), _blocks(y.device)["BLOCK_N"]
         plan = _plans[memo] = ((n_seg, _cdiv(S, bm), _cdiv(N, bn)), *_meta(
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=WARPS, num_stages=2, **_common(y.dtype, R)))
+            BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, num_warps=WARPS, num_stages=2, **_common(y.dtype, R)))
     grid, meta, key = plan
-    SITES["expand"](grid, (h, u, ids, y, S, N, R, *u.stride(), y.stride(0), y.stride(1), float(scale)), meta, key)
+    SITES["expand"](grid, (h, u, ids, y, S, N, R, parts.stride(0), parts.stride(1), *u.stride(), y.stride(0),
+                           y.stride(1), float(scale)), meta, key)
     return y
 
 

@@ -72,14 +72,17 @@ def _multi_expand_kernel(
     h_ptr, u_ptr, ids_ptr, y_ptr,
     # sizes
     S, N, R,
-    # strides (h contiguous fp32 (T, R); u (n, R, N) by strides; y (T, N))
-    stride_ug, stride_ur, stride_un, stride_ym, stride_yn,
+    # strides (h fp32 (SPLIT, T, R) by strides, rank at unit stride; u (n, R, N); y (T, N))
+    stride_hs, stride_hm, stride_ug, stride_ur, stride_un, stride_ym, stride_yn,
     # scalars
     scale,
     # meta
-    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """y[rows, n-block] += s * h[rows] @ u[g][:, n-block] in place; -1 segments are left alone."""
+    """y[rows, n-block] += s * h[rows] @ u[g][:, n-block] in place; -1 segments are left alone.
+    h is the sum of SPLIT partials (a split shrink's, written without a zeroed buffer), or SPLIT=1
+    one (T, R) tensor."""
     seg, pid_m, pid_n = _segment_program()
     slot = tl.load(ids_ptr + seg).to(tl.int64)
     if slot >= 0:
@@ -90,8 +93,10 @@ def _multi_expand_kernel(
         offs_r = tl.arange(0, R_PAD)
         mask_m = offs_s < S
         mask_n = offs_n < N
-        h = tl.load(h_ptr + rows[:, None] * R + offs_r[None, :],
-                    mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0)  # (BLOCK_M, R_PAD) fp32
+        h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for part in range(SPLIT):
+            h += tl.load(h_ptr + part * stride_hs + rows[:, None] * stride_hm + offs_r[None, :],
+                         mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0)  # (BLOCK_M, R_PAD) fp32
         u = tl.load(u_ptr + slot * stride_ug + offs_r[:, None] * stride_ur + offs_n[None, :].to(tl.int64) * stride_un,
                     mask=(offs_r[:, None] < R) & mask_n[None, :], other=0.0)  # (R_PAD, BLOCK_N)
         y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn

@@ -5,9 +5,10 @@ host time: it skips the op's Function, dispatch lookup and sibling grouping
 (``lora_linear_decode``); up to 512 rows of a 16-bit input one Triton launch computes the base
 GEMM and the LoRA (``linear_rows``), the base model's one launch per linear; elsewhere cuBLAS's
 GEMM (``F.linear``) takes one launch and the LoRA added to its output another (``add_lora_rows``);
-with per-row adapter ids the grouped kernels' shrink and expand do it (``lora_multi_decode``), or
-with ``decode_multi_linear`` on two launches, eager and traced (``multi_decodes``,
-``fastaf::lora_multi_decode_linear``). A
+with per-row adapter ids (``lora_multi_decode``; traced, ``fastaf::lora_multi_decode_linear``) up
+to ``DECODE_ROWS`` rows cuBLAS's GEMM, a shrink grouped by slot and an expand, or with
+``decode_multi_linear`` the shrink and the GEMM with each row's LoRA in its epilogue
+(``multi_decodes``, ``multi_fused``), above that the grouped kernels' shrink and expand. A
 traced one with grad off (a compiled decoding step, replayed from a CUDA graph) is bound by its
 launches' fixed GPU latency: up to ``DECODE_ROWS`` rows of a 16-bit input it is one launch too
 (``fastaf::lora_decode_linear``, ``traced_decode``), else the LoRA is added to cuBLAS's GEMM with
@@ -146,13 +147,16 @@ def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b
 
 
 def _multi_linear_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
-                       scale: float) -> Tensor:
+                       scale: float, fused: bool) -> Tensor:
     """x @ weight.T + bias + scale * (x @ A[g].T) @ B[g].T per segment of slot g = ids[i], x (M, K)
-    -> (M, N): two Triton launches (``kernels.lora_decode.multi_linear``) where they run, else
-    the grouped op's reference."""
+    -> (M, N). Where the kernels run: cuBLAS's GEMM, then the shrink grouped by slot and the
+    expand (``kernels.lora_decode.multi_add_``), or with ``fused`` the shrink and the GEMM with
+    each row's LoRA in its epilogue (``multi_linear``); elsewhere the grouped op's reference."""
     kernels = _kernels()
     if kernels.multi_supported(x, weight, a, b):
-        return kernels.multi_linear(x, weight, bias, a, b, ids, scale)
+        if fused:
+            return kernels.multi_linear(x, weight, bias, a, b, ids, scale)
+        return kernels.multi_add_(F.linear(x, weight, bias), x, a, b, ids, scale)
     from .lora_multi import reference_fwd
 
     return reference_fwd(x, weight, bias, a, b, ids, scale)[0]
@@ -164,7 +168,7 @@ lora_multi_decode_linear = torch.library.custom_op("fastaf::lora_multi_decode_li
 
 @lora_multi_decode_linear.register_fake
 def _multi_linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
-                       scale: float) -> Tensor:
+                       scale: float, fused: bool) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -250,13 +254,20 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: 
 
 
 def multi_decodes(x: Tensor, weight: Tensor, lora: LoRA, impl: str) -> bool:
-    """Whether an inference call on x (M, K) with a stack and per-segment ids takes the two-launch
-    linear (``kernels.lora_decode.multi_linear``: the shrink grouped by slot, then the base GEMM
-    with each row's LoRA in its epilogue): ``decode_multi_linear`` on (off by default: not yet
-    measured to beat cuBLAS's GEMM and the grouped kernels), at most ``DECODE_ROWS`` rows of a
-    16-bit CUDA tensor, impl "auto", a stack the kernels take."""
-    return (x.is_cuda and impl == "auto" and _config.flags().decode_multi_linear and x.shape[0] <= DECODE_ROWS
-            and lora.stacked and not lora.experts and _kernels().multi_supported(x, weight, lora.A, lora.B))
+    """Whether an inference call on x (M, K) with a stack and per-segment ids takes the decode
+    kernels (``_multi_linear_impl``: the shrink grouped by slot, no zeroed buffer): at most
+    ``DECODE_ROWS`` rows of a 16-bit CUDA tensor, impl "auto", a stack the kernels take."""
+    return (x.is_cuda and impl == "auto" and x.shape[0] <= DECODE_ROWS and lora.stacked and not lora.experts
+            and _kernels().multi_supported(x, weight, lora.A, lora.B))
+
+
+def multi_fused(traced: bool) -> bool:
+    """Whether ``multi_decodes``' call computes the base GEMM in the LoRA's launch
+    (``kernels.lora_decode.multi_linear``) rather than cuBLAS's (``multi_add_``): per
+    ``decode_multi_linear``, ``eager`` calls only (bound by host time per launch), ``always`` or
+    ``never``."""
+    mode = _config.flags().decode_multi_linear
+    return mode == "always" or (mode == "eager" and not traced)
 
 
 def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
@@ -271,7 +282,7 @@ def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: L
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     ids = ids.to(x.device, non_blocking=True).contiguous()
     if multi_decodes(x2, weight, lora, "auto"):
-        y = _kernels().multi_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale))
+        y = _multi_linear_impl(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), multi_fused(traced=False))
     else:
         from ..kernels import lora_multi
 

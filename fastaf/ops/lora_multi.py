@@ -355,11 +355,12 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
     args = (x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), impl)
     level = _direct_level(x2, weight, bias, lora.A, lora.B, factors=(lora.A, lora.B), weight=weight, x=x2)
     if level < 0 and torch.compiler.is_compiling() and not torch.is_grad_enabled() and not _higher_order_traced():
-        # traced inference (a compiled decoding step): the base GEMM and each row's LoRA in two launches
-        from .lora_decode import lora_multi_decode_linear, multi_decodes
+        # traced inference (a compiled decoding step): the decode kernels, no zeroed h, no Function
+        from .lora_decode import lora_multi_decode_linear, multi_decodes, multi_fused
 
         if multi_decodes(x2, weight, lora, impl):
-            y = lora_multi_decode_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale))
+            y = lora_multi_decode_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale),
+                                         multi_fused(traced=True))
             return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     if level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
