@@ -223,6 +223,9 @@ def main() -> None:
         rows.append({"provider": name, **case, "prompts": 4, "new_tokens": 0, "adapters": int(name != "fwd-base"),
                      "ms": round(t["ms"], 4)})
         print(f"{name:24s} {t['ms']:8.3f} ms  (rounds {t['rounds']})", flush=True)
+    if rows:  # written as they come: a run cut short keeps what it measured
+        results.append(rows)
+        rows = []
     for name in names:
         if name in forward:
             continue
@@ -255,7 +258,7 @@ def main() -> None:
               f"(warm-up {warm:.1f} s)", flush=True)
     # the rows before the profiles: a run cut short while profiling keeps its timings
     path = results.append(rows)
-    print(f"appended {len(rows)} rows to {path} (run {results.meta['run']})", flush=True)
+    print(f"appended the rows to {path} (run {results.meta['run']})", flush=True)
     if args.profile and device == "cuda":
         for name, (run, _, _) in warmed.items():
             profile_kernels(name, lambda: run(**kw), new, best[name])
