@@ -2,6 +2,10 @@
 bitsandbytes' own dequantization (interpreted on the CPU: ``TRITON_INTERPRET=1``)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -52,26 +56,39 @@ def test_the_kernel_equals_bitsandbytes_on_cuda_in_bf16(quant_type, kernel):
     assert torch.equal(got, want)
 
 
+_COMPILE_FOR_HOPPER = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from fastaf.kernels import dequant_4bit_kernels
+
+kernel, nested = sys.argv[1], sys.argv[2] == "1"
+pointers = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
+            "code2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "out_ptr": "*bf16", "n_bytes": "i32"}
+if kernel == "blocks":
+    fn, sizes = dequant_4bit_kernels._dequant_4bit_blocks_kernel, {"n_blocks": "i32"}
+    constants = {"HALF_BLOCK": 32, "BLOCKS": 32}
+else:
+    fn, sizes, constants = dequant_4bit_kernels._dequant_4bit_kernel, {}, {"BLOCKSIZE": 64, "BLOCK_BYTES": 1024}
+constants.update(NESTED_BLOCKSIZE=256, NESTED=nested)
+signature = {**pointers, **sizes, **{name: "constexpr" for name in constants}}
+source = triton.compiler.ASTSource(fn, signature, constexprs=constants)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+assert "ttgir" in compiled.asm
+"""
+
+
 @pytest.mark.parametrize("kernel", ["bytes", "blocks"])
 @pytest.mark.parametrize("nested", [False, True])
 def test_the_kernels_compile_for_hopper(kernel, nested):
-    """Each kernel compiled for an sm_90 GPU, here without one: the interpreter does not type-check,
-    and a jit helper whose two branches returned a uint8 and an fp32 ran under it yet failed to
-    compile on the H200 (triton 3.6 types every return, pruned branches too)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
-    from fastaf.kernels import dequant_4bit_kernels
-
-    pointers = {"packed_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
-                "code2_ptr": "*fp32", "offset_ptr": "*fp32", "code_ptr": "*fp32", "out_ptr": "*bf16", "n_bytes": "i32"}
-    if kernel == "blocks":
-        fn, sizes = dequant_4bit_kernels._dequant_4bit_blocks_kernel, {"n_blocks": "i32"}
-        constants = {"HALF_BLOCK": 32, "BLOCKS": 32}
-    else:
-        fn, sizes, constants = dequant_4bit_kernels._dequant_4bit_kernel, {}, {"BLOCKSIZE": 64, "BLOCK_BYTES": 1024}
-    constants.update(NESTED_BLOCKSIZE=256, NESTED=nested)
-    signature = {**pointers, **sizes, **{name: "constexpr" for name in constants}}
-    source = triton.compiler.ASTSource(fn, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
-    assert "ttgir" in compiled.asm
+    """Each kernel compiled for an sm_90 GPU, here without one, in a process of its own (under
+    TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile): the
+    interpreter does not type-check, and a jit helper whose two branches returned a uint8 and an
+    fp32 ran under it yet failed to compile on the H200 (triton 3.6 types every return, pruned
+    branches too)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (triton 3.9 warns when it is unset)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, kernel, str(int(nested))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
