@@ -26,7 +26,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``decode_kernel`` | ``FASTAF_DECODE_KERNEL`` | on | where a compiled decoding step's LoRA (at most 64 rows, grad off) is added to cuBLAS's GEMM, two Triton launches; off: plain ops |
 | ``eager_decode_kernel`` | ``FASTAF_EAGER_DECODE_KERNEL`` | on | an eager inference call's LoRA (at most 1024 rows on CUDA, grad off) as one Triton launch; off: cuBLAS's ``mm`` + ``addmm_`` |
 | ``decode_linear`` | ``FASTAF_DECODE_LINEAR`` | on | an inference call's adapted linear on a 16-bit CUDA tensor (grad off; eager: at most 512 rows, compiled: at most 64) as one Triton launch, its base GEMM included; off: cuBLAS's GEMM, then the LoRA (``eager_decode_kernel``, ``decode_kernel``) |
-| ``decode_multi_linear`` | ``FASTAF_DECODE_MULTI_LINEAR`` | ``never`` | an inference call with a stack and per-row ids on a 16-bit CUDA tensor (grad off, at most 64 rows) computes the base GEMM in the LoRA's launch, each row's LoRA in its epilogue (two launches, the shrink grouped by slot first): in ``eager`` calls only (bound by host time per launch), ``always`` or ``never`` (cuBLAS's GEMM, then the shrink and an expand). Slower on the GPU than cuBLAS (``docs/design.md``, Decoding) |
+| ``decode_multi_linear`` | ``FASTAF_DECODE_MULTI_LINEAR`` | ``eager`` | an inference call with a stack and per-row ids on a 16-bit CUDA tensor (grad off, at most 64 rows) computes the base GEMM in the LoRA's launch, each row's LoRA in its epilogue (two launches, the shrink grouped by slot first): in ``eager`` calls only, bound by host time per launch (H200: 16 adapters' eager generate 18% faster in runs f3fe and cc6c), ``always`` (slower compiled: its GEMM loses to cuBLAS's), or ``never`` (cuBLAS's GEMM, then the shrink and an expand) |
 | ``dequant`` | ``FASTAF_DEQUANT`` | on | a training call of a bitsandbytes 4-bit layer under ``functional_call`` dequantizes its weight inside fastaf's fused op (``ops.lora_dequant``); off: the layer's own forward plus the LoRA as a branch |
 | ``dequant_kernel`` | ``FASTAF_DEQUANT_KERNEL`` | on | that dequantization as fastaf's one-launch Triton kernel on CUDA; off: bitsandbytes' ops (two launches under double quantization) |
 
@@ -66,7 +66,7 @@ class Flags:
     decode_kernel: bool = True
     eager_decode_kernel: bool = True
     decode_linear: bool = True
-    decode_multi_linear: str = "never"
+    decode_multi_linear: str = "eager"
     dequant: bool = True
     dequant_kernel: bool = True
 
