@@ -322,15 +322,14 @@ def _multi_plans(x: torch.Tensor, n: int, N: int, rank: int, bias: bool, config:
     return plans
 
 
-def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, N: int = 0, bias: bool = False,
-                 config: dict | None = None) -> torch.Tensor:
+def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, plan: tuple | None = None) -> torch.Tensor:
     """The partials of h = x @ A[g].T per segment of slot g = ids[i], one launch grouped by slot
     (``_multi_decode_shrink_kernel``: each slot's A read once, by its own programs; no zeroed
-    buffer). x (M, K) as in ``multi_linear``, a (n, R, K). Returns fp32 (SPLIT_K, M, R_PAD), summed
-    over its first dim by the reader; rows of -1 segments are left unwritten. ``N``, ``bias``,
-    ``config``: the linear's, for ``multi_linear``'s shared plan (unread by the shrink)."""
+    buffer). x (M, K) as in ``multi_linear``, a (n, R, K); ``plan``: its (grid, meta, key) from
+    ``_multi_plans``, where the caller has it. Returns fp32 (SPLIT_K, M, R_PAD), summed over its
+    first dim by the reader; rows of -1 segments are left unwritten."""
     (M, K), (n, R) = x.shape, a.shape[:2]
-    (grid, meta, key), _ = _multi_plans(x, n, N, R, bias, config)
+    grid, meta, key = plan if plan is not None else _multi_plans(x, n, 0, R, False, None)[0]
     part = torch.empty((meta["SPLIT_K"], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
     MULTI_SHRINK(grid, (x, a, ids, part, M, K, R, M // ids.shape[0], x.stride(0), x.stride(1), *a.stride()), meta, key)
     return part
@@ -364,8 +363,8 @@ def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     (M, K), (n, N, R) = x.shape, b.shape
     S = M // ids.shape[0]
-    part = multi_shrink(x, a, ids, N, bias is not None, config)
-    _, (l_grid, l_meta, l_key) = _multi_plans(x, n, N, R, bias is not None, config)
+    shrink, (l_grid, l_meta, l_key) = _multi_plans(x, n, N, R, bias is not None, config)
+    part = multi_shrink(x, a, ids, shrink)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, n, x.stride(0),
                           x.stride(1), weight.stride(0), weight.stride(1), *b.stride(), out.stride(0),

@@ -149,17 +149,23 @@ def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b
 def _multi_linear_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
                        scale: float, fused: bool) -> Tensor:
     """x @ weight.T + bias + scale * (x @ A[g].T) @ B[g].T per segment of slot g = ids[i], x (M, K)
-    -> (M, N). Where the kernels run: cuBLAS's GEMM, then the shrink grouped by slot and the
-    expand (``kernels.lora_decode.multi_add_``), or with ``fused`` the shrink and the GEMM with
-    each row's LoRA in its epilogue (``multi_linear``); elsewhere the grouped op's reference."""
-    kernels = _kernels()
-    if kernels.multi_supported(x, weight, a, b):
-        if fused:
-            return kernels.multi_linear(x, weight, bias, a, b, ids, scale)
-        return kernels.multi_add_(F.linear(x, weight, bias), x, a, b, ids, scale)
+    -> (M, N): ``_multi_kernels`` where they run, else the grouped op's reference."""
+    if _kernels().multi_supported(x, weight, a, b):
+        return _multi_kernels(x, weight, bias, a, b, ids, scale, fused)
     from .lora_multi import reference_fwd
 
     return reference_fwd(x, weight, bias, a, b, ids, scale)[0]
+
+
+def _multi_kernels(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, ids: Tensor,
+                   scale: float, fused: bool) -> Tensor:
+    """``_multi_linear_impl`` on the kernels (``multi_supported``): cuBLAS's GEMM, then the shrink
+    grouped by slot and the expand (``kernels.lora_decode.multi_add_``), or with ``fused`` the
+    shrink and the GEMM with each row's LoRA in its epilogue (``multi_linear``)."""
+    kernels = _kernels()
+    if fused:
+        return kernels.multi_linear(x, weight, bias, a, b, ids, scale)
+    return kernels.multi_add_(F.linear(x, weight, bias), x, a, b, ids, scale)
 
 
 lora_multi_decode_linear = torch.library.custom_op("fastaf::lora_multi_decode_linear",
@@ -282,7 +288,7 @@ def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: L
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     ids = ids.to(x.device, non_blocking=True).contiguous()
     if multi_decodes(x2, weight, lora, "auto"):
-        y = _multi_linear_impl(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), multi_fused(traced=False))
+        y = _multi_kernels(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), multi_fused(traced=False))
     else:
         from ..kernels import lora_multi
 
