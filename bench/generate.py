@@ -245,6 +245,7 @@ def main() -> None:
         t0 = time.perf_counter()
         run(**kw)  # warm-up: compiles the -static providers' decode step
         warmed[name] = (run, err, time.perf_counter() - t0)
+        print(f"  {name}: logits checked ({err:.2e}), warmed up in {warmed[name][2]:.1f} s", flush=True)
     # rounds over every warmed provider in a fresh seeded order: a drift of the GPU's clocks or of
     # the host's lands on all of them, not on the one timed last
     best = {name: float("inf") for name in warmed}
