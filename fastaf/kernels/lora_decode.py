@@ -301,7 +301,7 @@ def multi_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: t
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[1] <= MAX_RANK)
 
 
-def _shrink_plan(x: torch.Tensor, n: int, rank: int) -> tuple:
+def _multi_shrink_plan(x: torch.Tensor, n: int, rank: int) -> tuple:
     """(grid, meta, key) of ``multi_shrink`` for x (M, K) and a stack of ``n`` slots, memoized."""
     M, K = x.shape
     memo = ("multi-shrink", x.device, x.dtype, M, K, n, rank)
@@ -323,7 +323,7 @@ def _multi_plans(x: torch.Tensor, n: int, N: int, rank: int, bias: bool, config:
     plans = _plans.get(memo)
     if plans is None:
         tiles = dict(LINEAR_INTERPRET_CONFIG if not x.is_cuda else linear_tiles(M, N), **(config or {}))
-        shrink = _shrink_plan(x, n, rank)
+        shrink = _multi_shrink_plan(x, n, rank)
         meta = shrink[1]
         linear = ((-(-N // tiles["BLOCK_N"]), 1), *_meta(
             HAS_BIAS=bias, R_PAD=meta["R_PAD"], BLOCK_M=meta["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
@@ -337,10 +337,10 @@ def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, plan: tupl
     """The partials of h = x @ A[g].T per segment of slot g = ids[i], one launch grouped by slot
     (``_multi_decode_shrink_kernel``: each slot's A read once, by its own programs; no zeroed
     buffer). x (M, K) as in ``multi_linear``, a (n, R, K); ``plan``: its (grid, meta, key) from
-    ``_shrink_plan``, where the caller has it. Returns fp32 (SPLIT_K, M, R_PAD), summed over its
+    ``_multi_shrink_plan``, where the caller has it. Returns fp32 (SPLIT_K, M, R_PAD), summed over its
     first dim by the reader; rows of -1 segments are left unwritten."""
     (M, K), (n, R) = x.shape, a.shape[:2]
-    grid, meta, key = plan if plan is not None else _shrink_plan(x, n, R)
+    grid, meta, key = plan if plan is not None else _multi_shrink_plan(x, n, R)
     part = torch.empty((meta["SPLIT_K"], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
     MULTI_SHRINK(grid, (x, a, ids, part, M, K, R, M // ids.shape[0], x.stride(0), x.stride(1), *a.stride()), meta, key)
     return part
