@@ -17,7 +17,10 @@ Providers, each a full step (forward, loss, backward, optimizer step):
   ``torch.compile(model)``);
 - fastaf-qlora-branch / fastaf-qlora-compiled-branch (extra, for the A/B): as their names without
   ``-branch`` with ``FASTAF_DEQUANT=0``: each 4-bit layer runs bitsandbytes' forward and the LoRA
-  is added as a branch, instead of the dequantization inside fastaf's op.
+  is added as a branch, instead of the dequantization inside fastaf's op;
+- ``-bf16adapter`` / ``-fp32adapter`` after ``{fastaf,peft}-{bf16,qlora}`` (extra, like for like):
+  the adapter in that dtype for both libraries, where the providers above keep each one's own as
+  measured (fastaf's fp32 masters, PEFT's bf16 adapters).
 Each provider builds its own model and frees it after (``--one-model``: one model per base, shared),
 so ``max_mem_gib`` is its own peak (CUDA memory allocated, model included); ``ms`` is
 ``do_bench``'s median over its steps. The first
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import sys
@@ -51,6 +55,11 @@ PROVIDERS = ["peft-bf16", "peft-qlora", "fastaf-bf16", "fastaf-qlora", "fastaf-b
 # the 4-bit layers as their own forward plus the LoRA as a branch (FASTAF_DEQUANT=0): the path
 # before fastaf dequantized inside its op, for the A/B
 EXTRA = ["fastaf-qlora-branch", "fastaf-qlora-compiled-branch"]
+# the adapter's own dtype, like for like (the providers above keep each library's as measured:
+# fastaf's fp32 masters, PEFT's bf16 adapters): peak memory counts the factors, their grads and
+# AdamW's two states, ~0.3 GiB apart at this shape
+ADAPTER_DTYPES = {"-bf16adapter": torch.bfloat16, "-fp32adapter": torch.float32}
+EXTRA += [f"{lib}-{base}{suffix}" for suffix in ADAPTER_DTYPES for lib in ("fastaf", "peft") for base in ("bf16", "qlora")]
 CASE = ("model", "batch", "seq", "r", "quant")
 FIGURES = ("ms", "p20", "p80", "max_mem_gib", "first_step_s", "loss0")
 
@@ -79,18 +88,21 @@ def _nf4(linear: torch.nn.Linear, device: str) -> torch.nn.Module:
     return q.to(device)  # quantizes on the move (on the CPU for --tiny, bitsandbytes >= 0.49)
 
 
-def peft_step(model, ids):
+def peft_step(model, ids, adapter_dtype=None):
+    """PEFT's step; its adapters in the base's bf16 (``autocast_adapter_dtype=False``), or with
+    ``adapter_dtype`` fp32 PEFT's default (fp32 adapters, cast at each use)."""
     import peft
 
     cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
-    pm = peft.get_peft_model(model, cfg, autocast_adapter_dtype=False)  # bf16 adapters
+    pm = peft.get_peft_model(model, cfg, autocast_adapter_dtype=adapter_dtype == torch.float32)
     trainable = [p for p in pm.parameters() if p.requires_grad]
     return _autograd_step(lambda: pm(input_ids=ids, labels=ids).loss, trainable, ids.is_cuda)
 
 
-def fastaf_step(model, ids):
-    leaves, spec = pytree.tree_flatten(fa.init_adapter(model, fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS),
-                                                       seed=0))
+def fastaf_step(model, ids, adapter_dtype=None):
+    """fastaf's step; its factors fp32 masters, or in ``adapter_dtype``."""
+    config = fa.LoRAConfig(r=RANK, alpha=ALPHA, targets=TARGETS)
+    leaves, spec = pytree.tree_flatten(fa.init_adapter(model, config, seed=0, dtype=adapter_dtype))
     leaves = [t.requires_grad_() for t in leaves]
     batch = {"input_ids": ids, "labels": ids}
     return _autograd_step(lambda: fa.functional_call(model, pytree.tree_unflatten(leaves, spec), (), batch).loss,
@@ -143,7 +155,10 @@ def main() -> None:
     rows, base_loss, models = [], None, {}
     for name in names:
         qlora = "-qlora" in name
-        maker = MAKERS[name.replace("-qlora", "").replace("-bf16", "").replace("-branch", "")]
+        suffix = next((sfx for sfx in ADAPTER_DTYPES if name.endswith(sfx)), "")
+        maker = MAKERS[name[:len(name) - len(suffix)].replace("-qlora", "").replace("-bf16", "").replace("-branch", "")]
+        if suffix:
+            maker = functools.partial(maker, adapter_dtype=ADAPTER_DTYPES[suffix])
         flags = _config.override(dequant=not name.endswith("-branch"))
         flags.__enter__()
         gc.collect()
