@@ -290,10 +290,13 @@ def profile_kernels(name: str, fn, steps: int, wall: float, top: int = 12) -> No
         print(f"   {us / steps:8.1f} us {count / steps:7.1f}x  {key[:90]}", flush=True)
 
 
-def profile_host(name: str, fn, steps: int, top: int = 15) -> None:
+def profile_host(name: str, fn, steps: int, top: int = 25) -> None:
     """Print the Python functions ``fn`` spends its own time in per decoding step (cProfile), the
     busiest first: what a step's host time beyond the GPU's goes to (guards and graph inputs run in
-    a compiled step's own frame, CUDA-graph trees' checks in theirs)."""
+    a compiled step's own frame, CUDA-graph trees' checks in theirs). A host sync is the own time
+    of the function that waits for the GPU (transformers' stopping check reads a flag off the GPU
+    at each step, in the versions that do not defer it). Functions are named with their file's
+    folder: several ``utils.py`` take part."""
     import cProfile
     import pstats
 
@@ -307,7 +310,7 @@ def profile_host(name: str, fn, steps: int, top: int = 15) -> None:
     print(f"-- {name}: host, own time per step", flush=True)
     for (file, line, function), (calls, _, own, cumulative, _) in busiest:
         print(f"   {own / steps * 1e6:8.1f} us own {cumulative / steps * 1e6:8.1f} cum {calls / steps:7.1f}x  "
-              f"{function} ({Path(file).name}:{line})", flush=True)
+              f"{function} ({'/'.join(Path(file).parts[-2:])}:{line})", flush=True)
 
 
 def _wall(fn) -> float:
