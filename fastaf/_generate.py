@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import threading
 import weakref
 from collections.abc import Iterator
@@ -119,6 +120,15 @@ class _AdaptedForward:
         self.adapter: Any = None
         self.ids: Any = None
         self.thread: int | None = None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The forward's it stands in for: ``generate`` reads it to pick the inputs it prepares
+        (``position_ids`` from the attention mask, which a left-padded batch needs where positions
+        are absolute, GPT-2's; ``logits_to_keep``), and this object's own ``(*args, **kwargs)``
+        would hide them."""
+        inner = self.inner
+        return inspect.signature(inner) if inner is not None else inspect.signature(type(self).__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and threading.get_ident() != self.thread:

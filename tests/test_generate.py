@@ -71,6 +71,29 @@ def test_one_adapter_compiled_decode_equals_the_dynamic_path_and_peft_and_compil
     assert not torch.equal(model.generate(ids, **NEW), got)  # the adapter changes the tokens
 
 
+def test_a_left_padded_batch_decodes_compiled_at_the_positions_generate_gives_it():
+    """generate prepares position_ids from the attention mask when the model's forward takes them
+    (it reads the forward's signature): GPT-2's positions are absolute, so a left-padded row
+    decoded at positions that count its pads gets other logits. The compiled step's forward
+    (fa.generate's and the stateful layer's, set on the instance) shows the model's signature."""
+    model = tiny_gpt2().eval().requires_grad_(False)
+    adapter = random_adapter(model, ["c_attn", "c_fc"], r=4, seed=1)
+    ids = token_batch(batch=2, seq=8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the first row left-padded by three
+    kw = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True, output_logits=True, **NEW)
+    want = fa.generate(model, adapter, ids, **kw)  # eager: the model's own forward
+    stateful = copy.deepcopy(model)
+    fa.init(stateful)
+    stateful.add_new_adapter("a", adapter)
+    stateful.set_active_adapter("a")
+    torch._dynamo.reset()
+    for got in (fa.generate(model, adapter, ids, **kw, **_static()), stateful.generate(ids, **kw, **_static())):
+        assert torch.equal(got.sequences, want.sequences)
+        for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
 def test_a_stack_with_ids_decodes_compiled_and_new_ids_compile_nothing():
     model = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=3, seq=8)
