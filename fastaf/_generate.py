@@ -128,7 +128,7 @@ class _AdaptedForward:
         are absolute, GPT-2's; ``logits_to_keep``), and this object's own ``(*args, **kwargs)``
         would hide them."""
         inner = self.inner
-        return inspect.signature(inner) if inner is not None else inspect.signature(type(self).__call__)
+        return inspect.signature(inner if inner is not None else self.__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and threading.get_ident() != self.thread:
@@ -243,7 +243,6 @@ def _kept(kept: collections.OrderedDict, key: tuple, make: Any) -> Any:
 def _static_like(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor like ``t`` that dynamo takes as static in address and in shape (``marked_static``)."""
     return marked_static(torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format))
-
 
 
 # caches transformers' generate can compile a decode step over (their shapes are fixed)

@@ -228,7 +228,7 @@ def _multi_decode_shrink_kernel(
 
     Each slot's factors are read once, by its own programs, for every row that takes it (row m's
     slot is ids[m // S]); a program whose slot no row takes does nothing. Rows of slot -1 are not
-    written: ``_multi_decode_linear_kernel`` masks them."""
+    written: the readers (``_multi_decode_linear_kernel``, the grouped expand) skip them."""
     g = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)

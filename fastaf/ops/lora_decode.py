@@ -278,9 +278,9 @@ def multi_fused(traced: bool) -> bool:
 
 def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: LoRA, ids: Tensor) -> Tensor:
     """``lora_linear_multi`` for a decoding step (``decoding``) of a stack with one id per row
-    (ids read on the device, -1 rows left alone): up to ``DECODE_ROWS`` rows of a 16-bit input
-    two launches (``multi_decodes``), else cuBLAS's base GEMM then the grouped kernels' shrink and
-    expand (``fastaf.kernels.lora_multi``); nothing else: the op's Function and level plumbing
+    (ids read on the device, -1 rows left alone): up to ``DECODE_ROWS`` rows of a 16-bit input the
+    decode kernels (``multi_decodes``, ``_multi_kernels``), else cuBLAS's base GEMM then the grouped
+    kernels' shrink and expand (``fastaf.kernels.lora_multi``); nothing else: the op's Function and level plumbing
     cost more host time than the launches. x (..., K) with x.numel() // K rows, a multiple of
     len(ids); lora stacked, A (n, R, K), B (n, N, R) in any float dtype (the kernels read them as
     they are). (..., N) in x's dtype."""
