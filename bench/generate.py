@@ -248,17 +248,18 @@ def main() -> None:
         print(f"  {name}: logits checked ({err:.2e}), warmed up in {warmed[name][2]:.1f} s", flush=True)
     # rounds over every warmed provider in a fresh seeded order: a drift of the GPU's clocks or of
     # the host's lands on all of them, not on the one timed last
-    best = {name: float("inf") for name in warmed}
+    times = {name: [] for name in warmed}  # provider -> its rounds' seconds, printed: the host's drift shows
     order = random.Random(0)
     for _ in range(args.repeats):
         for name in order.sample(list(warmed), len(warmed)):
-            best[name] = min(best[name], _wall(lambda: warmed[name][0](**kw)))
+            times[name].append(_wall(lambda: warmed[name][0](**kw)))
+    best = {name: min(t) for name, t in times.items()}
     for name, (_, err, warm) in warmed.items():
         n_adapters = MIXED if "mixed" in name else int(name.startswith(("peft", "fastaf")))
         rows.append({"provider": name, **case, "adapters": n_adapters, "s": round(best[name], 4),
                      "tok_per_s": round(prompts * new / best[name], 1), "max_rel_err": round(err, 5)})
         print(f"{name:24s} {best[name]:8.3f} s  {prompts * new / best[name]:9.1f} tok/s  prefill err {err:.2e}  "
-              f"(warm-up {warm:.1f} s)", flush=True)
+              f"(warm-up {warm:.1f} s; rounds {[round(t, 3) for t in times[name]]})", flush=True)
     # the rows before the profiles: a run cut short while profiling keeps its timings
     path = results.append(rows)
     print(f"appended the rows to {path} (run {results.meta['run']})", flush=True)
