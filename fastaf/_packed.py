@@ -3,6 +3,7 @@ compiled decoding step reads (``fastaf.generate``'s and the stateful layer's ``g
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
@@ -10,6 +11,21 @@ from ._adapter import Adapter, LoRA
 
 _ALIGN = 64  # elements: each factor's view starts 128-byte aligned in its buffer, as an allocation would
 _PACKED = itertools.count()  # each Packed's layout key
+_LAYOUTS: dict[str, dict] = {}  # layout key -> {path: (A's spec, B's spec, scale, dropout, experts)}, never changed
+
+
+@torch._dynamo.assume_constant_result
+def _paths(key: str) -> tuple[str, ...]:
+    """The paths packed under ``key``. A constant for dynamo: read through the Packed, the layout
+    was guarded entry by entry (each path, offset, size and scale: ~40 guards per adapted layer,
+    4480 for a 1B model's 112, checked at every decoding step); a key's layout never changes."""
+    return tuple(_LAYOUTS[key])
+
+
+@torch._dynamo.assume_constant_result
+def _spec(key: str, path: str) -> tuple:
+    """``path``'s entry in the layout under ``key`` (a constant for dynamo, as ``_paths``)."""
+    return _LAYOUTS[key][path]
 
 
 class Packed:
@@ -31,12 +47,12 @@ class Packed:
             sizes[where] = start + -(-t.numel() // _ALIGN) * _ALIGN
             return list(sizes).index(where), start, tuple(t.shape)
 
-        # under a key of its own: traced, the layout's ints are read through a source that names the
-        # key, so a second structure's offsets are not the same inputs changed (dynamo would make
-        # ints that change between compilations of a frame symbolic: automatic dynamic shapes)
+        # under a key of its own, read as constants (``_paths``, ``_spec``): the graph guards on the
+        # key alone, and a second structure's offsets are other constants, never the same ints changed
         self.key = f"packed-{next(_PACKED)}"
-        self.layouts = {self.key: {path: (place(l.A), place(l.B), float(l.scale), float(l.dropout), bool(l.experts))
-                                   for path, l in adapter.items()}}
+        _LAYOUTS[self.key] = {path: (place(l.A), place(l.B), float(l.scale), float(l.dropout), bool(l.experts))
+                              for path, l in adapter.items()}
+        weakref.finalize(self, _LAYOUTS.pop, self.key, None)
         self.buffers = tuple(marked_static(torch.empty(max(size, 1), dtype=dtype, device=device))
                              for (dtype, device), size in sizes.items())
         self.eager = self.traced()
@@ -50,14 +66,14 @@ class Packed:
 
     def traced(self) -> Adapter:
         """The adapter as views of the buffers (inside a trace: views in the graph)."""
-        return Adapter._unchecked({path: self.lora(path) for path in self.layouts[self.key]})
+        return Adapter._unchecked({path: self.lora(path) for path in _paths(self.key)})
 
     def holds(self, path: str) -> bool:
-        return path in self.layouts[self.key]
+        return path in _paths(self.key)
 
     def lora(self, path: str) -> LoRA:
         """``path``'s LoRA as views of the buffers."""
-        a, b, scale, dropout, experts = self.layouts[self.key][path]
+        a, b, scale, dropout, experts = _spec(self.key, path)
         return LoRA(self._view(a), self._view(b), scale, dropout, experts)
 
     def fill(self, adapter: Adapter) -> None:

@@ -220,9 +220,12 @@ def _weight_attr(module: nn.Module) -> Any:
         if "weight" in held:
             return held["weight"]
     if torch.compiler.is_compiling():
-        # traced, dynamo reads the attribute itself; ``type(module)`` here put an identity check
-        # that Python evaluates at every call of the graph (a LAMBDA_GUARD) on each module
-        return getattr(module, "weight", None)
+        # traced, what the dicts hold: a getattr of the missing name is a guard that calls
+        # nn.Module.__getattr__ (which raises) at every call of the graph, on every module of the
+        # model, and ``type(module)`` identity checks between the layers that Python evaluates. What
+        # is missed is harmless here: a property (a parametrization's) makes a new tensor per read,
+        # never a route's weight; a wrapper's __getattr__ reaches the weight of a module walked too
+        return None
     if type(module).__getattr__ is nn.Module.__getattr__ and not hasattr(type(module), "weight"):
         return None
     return getattr(module, "weight", None)  # a property (a parametrization), a class's own __getattr__

@@ -266,8 +266,11 @@ def scoped_call(
         return run()
     compiling = torch.compiler.is_compiling()
     if compiling:
-        # transformers' layers carry ``gradient_checkpointing`` (its model-level property warns)
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        # transformers' layers carry ``gradient_checkpointing``, set on the instance where it is on
+        # (its model-level property warns). Read from each module's __dict__: a getattr of a name a
+        # module lacks is a guard that calls nn.Module.__getattr__ (which raises) at every call of
+        # the graph, on every module of the model
+        if any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules()):
             # dynamo traces a checkpointed layer as a subgraph of its own, where the mode is not
             # dispatched: the layers would run without the adapter, silently
             raise NotImplementedError(
