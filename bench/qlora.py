@@ -169,6 +169,9 @@ def main() -> None:
         if args.one_model:
             models[qlora] = model
         step = maker(model, ids)
+        if args.one_model and isinstance(getattr(model, "fastaf", None), torch.nn.Module):
+            # the stateful fallback inited it (hooks, an active adapter): later providers build their own
+            models.pop(qlora, None)
         t0 = time.perf_counter()
         first = step().item()
         first_s = round(time.perf_counter() - t0, 2)
