@@ -22,7 +22,9 @@ A thin layer over the functional core for code that expects a stateful model (HF
   adapter targeted a module inside it, or traced for another instance of the class, reads no
   such hook and may go on serving calls: add adapters before the first compiled call. Modules
   no adapter targets carry no hook and pay nothing; one that only an inactive adapter targets
-  pays its hook's call (~1.5 us on a CPU).
+  pays its hook's call (~1.5 us on a CPU). The module hooks hold the registry's key, not the
+  registry (``_REGISTRIES``): traced, each reaches it one way, with no identity check per hook
+  that Python evaluates at every call of the graph.
 - A module replaced after activation (``resize_token_embeddings``' new lm_head) would run
   without its LoRA: the model's call refuses it, one dict lookup per targeted module.
 - Siblings over one input (q/k/v, gate/up) run as one op at the first one's call, as in an eager
@@ -58,7 +60,9 @@ import sys
 import tempfile
 import threading
 import types
+import uuid
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -210,6 +214,35 @@ class _Registry(nn.Module):
         # which its compiled decoding steps read; and that pack kept, with the factors it copied
         self.generating: Packed | None = None
         self.packed: list | None = None  # [(path, shapes, dtype, ...) per LoRA, (id, version) per factor, Packed]
+        self.key = ""  # what its module hooks hold to find it (``_keyed``)
+        self.unkeyed = False  # hooks of a copy still hold its original's key (``__setstate__``)
+        _keyed(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A deep copy, or a registry unpickled beside the one it was saved from: under a key of
+        its own, its hooks (on the copied modules) keyed again. Were one of those modules still
+        being copied here (one that holds the registry, as the model does: no adapter fastaf
+        registers targets the model itself), at the model's next call (``start_call``)."""
+        super().__setstate__(state)
+        held = getattr(_REGISTRIES, self.key, None)
+        if held is not None and held() is not None and held() is not self:
+            _keyed(self)
+            self.unkeyed = not self.rekey_hooks()
+        else:
+            _keyed(self, self.key)
+
+    def rekey_hooks(self) -> bool:
+        """Set this registry's key into its modules' hooks (each a ``functools.partial`` of
+        ``_enter_module`` or ``_leave_module``); False where a module is not complete yet."""
+        placed = [(m, i, "_forward_pre_hooks") for m, i in self.entered.values()] + \
+                 [(m, i, "_forward_hooks") for m, i in self.watched.values()]
+        if not all(where in m.__dict__ for m, _, where in placed):
+            return False
+        for module, hook_id, where in placed:
+            hook = module.__dict__[where].get(hook_id)
+            if isinstance(hook, functools.partial) and hook.func in (_enter_module, _leave_module):
+                module.__dict__[where][hook_id] = functools.partial(hook.func, self.key, *hook.args[1:])
+        return True
 
     def forward(self, x: Any) -> Any:
         """The identity: a container that calls its children in order (``nn.Sequential``) reaches
@@ -248,7 +281,7 @@ class _Registry(nn.Module):
         for path, keys in owners.items():
             # ``functools.partial`` equal in content across activations: dynamo's guards on it pass
             # again when an adapter comes back (a cached graph, not a recompile)
-            hook = modules[path].register_forward_pre_hook(functools.partial(self.enter_module, tuple(keys)))
+            hook = modules[path].register_forward_pre_hook(functools.partial(_enter_module, self.key, tuple(keys)))
             self.entered[path] = (modules[path], hook.id)
             module = modules[path]
             if len(keys) == 1 and "forward" not in module.__dict__:
@@ -296,7 +329,7 @@ class _Registry(nn.Module):
                 del self.watched[path]
         new = [path for path in sorted(wanted - self.watched.keys()) if path in modules]
         for path in new:  # (one gone from the model: ``set_active_adapter`` refuses its adapter)
-            hook = modules[path].register_forward_hook(self.leave_module, always_call=True)
+            hook = modules[path].register_forward_hook(functools.partial(_leave_module, self.key), always_call=True)
             self.watched[path] = (modules[path], hook.id)
         _warn_compiled_above(modules, new)
 
@@ -433,7 +466,7 @@ class _Registry(nn.Module):
         (eagerly); traced or checkpointed, new routes per call, each layer alone (dynamo cannot
         trace the grouping's bookkeeping; ``_checkpointed``)."""
         grouping = None if torch.compiler.is_compiling() or _checkpointed() else self.grouping
-        kept = () if grouping is None else grouping.routes[module].values()
+        kept = () if grouping is None else grouping.routes.get(module, {}).values()  # (a layer copied alone: none)
         members = [m for route in kept for m in route.siblings or (route,)]
         weights = [getattr(m.module, m.name) for m in members]
         # weights passed for one call (torch.func.functional_call): the kept routes must not keep
@@ -447,6 +480,8 @@ class _Registry(nn.Module):
         return module_mode(module, impl=_config.flags().stateful_impl, routes={id(r.weight): r for r in kept}, groups=grouping.groups())
 
     def start_call(self, placed: _Placed, model: nn.Module, args: Any) -> None:
+        if self.unkeyed:
+            _rekey_later(self)
         # checked compiled too: it reads no tensor, and traced it becomes identity guards
         self.check_placed(placed, model)
         if not torch.compiler.is_compiling() and self.grouping is not None:
@@ -551,6 +586,56 @@ class _Registry(nn.Module):
                                                      gradless=r.gradless - g) for r, (h, g) in zip(routes, before)]
                         check_lost(ran, f"fastaf: the active adapter {self.active!r}")
                         break
+
+
+class _Table:
+    """Every live registry, as an attribute named by its key (a weak reference). Its module hooks
+    hold the key, not the registry: traced, every hook then reaches it one way (``getattr`` of a
+    constant name, guarded in C++), where a registry bound into each hook was an identity check per
+    hook that Python evaluated at every call of the graph (two per adapted module). Attributes, not
+    a dict: dynamo reads a global dict whole, each entry, where a registry collected meanwhile
+    changed its size."""
+
+
+_REGISTRIES = _Table()
+
+
+def _keyed(registry: _Registry, key: str | None = None) -> None:
+    """File ``registry`` under ``key`` (a new one by default), for as long as it lives."""
+    registry.key = key or f"r{uuid.uuid4().hex}"
+    ref = weakref.ref(registry)
+    setattr(_REGISTRIES, registry.key, ref)
+    weakref.finalize(registry, _forget, registry.key, ref)
+
+
+def _forget(key: str, ref: weakref.ref) -> None:
+    if getattr(_REGISTRIES, key, None) is ref:
+        delattr(_REGISTRIES, key)
+
+
+def _registry_at(key: str) -> _Registry | None:
+    ref = getattr(_REGISTRIES, key, None)
+    return None if ref is None else ref()
+
+
+@torch._dynamo.disable
+def _rekey_later(registry: _Registry) -> None:
+    """``rekey_hooks`` of a copy whose model was still being copied: at its first call, outside
+    any trace (it rewrites hook dicts)."""
+    registry.unkeyed = not registry.rekey_hooks()
+
+
+def _enter_module(key: str, keys: tuple[str, ...], module: nn.Module, args: Any) -> None:
+    """A targeted module's pre-hook: its registry's ``enter_module``."""
+    registry = _registry_at(key)
+    if registry is not None:  # (a layer copied alone outliving its model's registry runs as it is)
+        registry.enter_module(keys, module, args)
+
+
+def _leave_module(key: str, module: nn.Module, args: Any, output: Any) -> Any:
+    """An adapted module's always-called hook: its registry's ``leave_module``."""
+    registry = _registry_at(key)
+    return None if registry is None else registry.leave_module(module, args, output)
 
 
 def _warn_compiled_above(modules: Mapping[str, nn.Module], paths: list[str]) -> None:

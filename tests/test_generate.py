@@ -230,6 +230,24 @@ def test_a_compiled_decode_step_has_no_python_guard_per_adapted_layer():
     assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
 
 
+def test_the_stateful_layers_compiled_decode_step_has_no_python_guard_per_adapted_layer():
+    """The stateful layer's hooks reach their registry through a key (``_stateful._REGISTRIES``):
+    traced, a registry bound into each module's pre-hook and hook was reached one way per hook,
+    two identity checks per adapted module that Python evaluated at every step."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    counts = []
+    for layers in (1, 2):
+        model = tiny_llama(layers=layers).eval().requires_grad_(False)
+        fa.init(model)
+        model.add_new_adapter("a", random_adapter(model, targets, r=4, seed=1))
+        model.set_active_adapter("a")
+        torch._dynamo.reset()
+        with _python_guards() as counted:
+            model.generate(token_batch(batch=2, seq=8), max_new_tokens=3, do_sample=False, **_static())
+        counts.append(counted[0])
+    assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
+
+
 def test_a_compiled_decode_steps_guards_grow_per_layer_at_most_twice_as_fast_as_the_base_steps():
     """The guards run at every decoding step, in the host time the GPU waits on: fastaf's part
     (the routes' walk over the modules, the packed adapter's layout) may add to the base step's

@@ -1,5 +1,6 @@
 """The stateful layer (``fastaf.init`` and the ``model.add_new_adapter`` family) on tiny HF models."""
 import copy
+import functools
 import inspect
 import json
 import re
@@ -272,6 +273,52 @@ def test_whole_model_saves_and_loads_with_torch_save(tmp_path):
         assert torch.equal(twin(ids).logits, model(ids).logits)
         twin.set_active_adapter(None)
         assert model.active_adapter == "b" and not torch.equal(twin(ids).logits, model(ids).logits)
+
+
+def _hook_keys(model) -> set[str]:
+    """The registry keys the model's module hooks hold (``_stateful._enter_module`` / ``_leave_module``)."""
+    hooks = [h for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()]
+    return {h.args[0] for h in hooks if isinstance(h, functools.partial)
+            and h.func in (fastaf._stateful._enter_module, fastaf._stateful._leave_module)}
+
+
+def test_a_copys_hooks_reach_the_copys_registry(tmp_path):
+    """Module hooks hold their registry's key, not the registry (traced, a registry bound into each
+    hook was an identity check per hook evaluated in Python at every call): a deep copy, and a
+    model torch.load-ed beside the one it was saved from, get keys of their own, in their hooks
+    too, so the copy's factors changed in place change the copy's output alone."""
+    _, model = inited()
+    ids = token_batch()
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    for twin in (copy.deepcopy(model), torch.load(path, weights_only=False)):
+        assert _hook_keys(twin) == {twin.fastaf.key} and _hook_keys(model) == {model.fastaf.key} != {twin.fastaf.key}
+        with torch.no_grad():
+            want = model(ids).logits
+            for p in twin.fastaf.adapters["b"].parameters():
+                p.mul_(3.0)
+            assert torch.equal(model(ids).logits, want) and not torch.equal(twin(ids).logits, want)
+
+
+def test_a_copy_whose_hooks_were_not_keyed_while_copied_is_keyed_at_its_first_call():
+    """Where a copy's module was not complete when its registry was copied (a targeted model
+    still being copied), its hooks keep the original's key until the copy's first call, whose
+    first pre-hook keys them, before any entry hook reads one."""
+    _, model = inited()
+    twin = copy.deepcopy(model)
+    registry = twin.fastaf
+    for module, hook_id in registry.entered.values():  # as such a copy has them
+        hook = module._forward_pre_hooks[hook_id]
+        module._forward_pre_hooks[hook_id] = functools.partial(hook.func, model.fastaf.key, *hook.args[1:])
+    registry.unkeyed = True
+    ids = token_batch()
+    with torch.no_grad():
+        for p in registry.adapters["b"].parameters():
+            p.mul_(3.0)
+        got = twin(ids).logits
+        assert not registry.unkeyed and _hook_keys(twin) == {registry.key}
+        assert not torch.equal(got, model(ids).logits)
+        assert torch.equal(got, fa.functional_call(model, twin.get_adapter("b"), (ids,)).logits)
 
 
 # ---- training through HF Trainer ----------------------------------------------------------------
