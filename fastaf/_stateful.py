@@ -224,12 +224,14 @@ class _Registry(nn.Module):
         being copied here (one that holds the registry, as the model does: no adapter fastaf
         registers targets the model itself), at the model's next call (``start_call``)."""
         super().__setstate__(state)
-        held = getattr(_REGISTRIES, self.key, None)
+        self.__dict__.setdefault("unkeyed", False)
+        key = self.__dict__.get("key", "")  # (none in a registry pickled before hooks held keys: bound to it)
+        held = getattr(_REGISTRIES, key, None) if key else None
         if held is not None and held() is not None and held() is not self:
             _keyed(self)
             self.unkeyed = not self.rekey_hooks()
         else:
-            _keyed(self, self.key)
+            _keyed(self, key or None)
 
     def rekey_hooks(self) -> bool:
         """Set this registry's key into its modules' hooks (each a ``functools.partial`` of
