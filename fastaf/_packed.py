@@ -47,15 +47,27 @@ class Packed:
             sizes[where] = start + -(-t.numel() // _ALIGN) * _ALIGN
             return list(sizes).index(where), start, tuple(t.shape)
 
-        # under a key of its own, read as constants (``_paths``, ``_spec``): the graph guards on the
-        # key alone, and a second structure's offsets are other constants, never the same ints changed
-        self.key = f"packed-{next(_PACKED)}"
-        _LAYOUTS[self.key] = {path: (place(l.A), place(l.B), float(l.scale), float(l.dropout), bool(l.experts))
-                              for path, l in adapter.items()}
-        weakref.finalize(self, _LAYOUTS.pop, self.key, None)
+        self._file({path: (place(l.A), place(l.B), float(l.scale), float(l.dropout), bool(l.experts))
+                    for path, l in adapter.items()})
         self.buffers = tuple(marked_static(torch.empty(max(size, 1), dtype=dtype, device=device))
                              for (dtype, device), size in sizes.items())
         self.eager = self.traced()
+
+    def _file(self, layout: dict) -> None:
+        """Keep ``layout`` under a key of its own, read as constants (``_paths``, ``_spec``): the
+        graph guards on the key alone, and a second structure's offsets are other constants,
+        never the same ints changed."""
+        self.key = f"packed-{next(_PACKED)}"
+        _LAYOUTS[self.key] = layout
+        weakref.finalize(self, _LAYOUTS.pop, self.key, None)
+
+    def __getstate__(self) -> dict:  # a copy or a pickle (a stateful model's registry keeps its pack)
+        return {"buffers": self.buffers, "layout": _LAYOUTS[self.key]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.buffers = tuple(marked_static(b) for b in state["buffers"])
+        self._file(state["layout"])  # its own key: the original's layout goes with the original
+        self.eager = self.traced()  # views of these buffers (a pickle does not keep views' sharing)
 
     def _view(self, spec: tuple[int, int, tuple[int, ...]]) -> torch.Tensor:
         which, start, shape = spec

@@ -4,6 +4,7 @@ adapter's values, the active adapter or the ids change. CPU: the decode step com
 eager backend (``CompileConfig._compile_all_devices``)."""
 import contextlib
 import copy
+import gc
 import inspect
 import io
 import logging
@@ -452,6 +453,32 @@ def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_
     with torch.no_grad():
         compiled = torch.compile(lambda x: model(x).logits, backend="eager")(ids)
         assert torch.allclose(compiled, fa.functional_call(base, model.get_adapter("a"), (ids,)).logits, atol=1e-5)
+
+
+def test_a_stateful_model_that_decoded_compiled_copies_and_pickles_with_its_pack(tmp_path):
+    """The registry keeps its pack (``_packed.Packed``), whose layout lives under a key of its own:
+    a deep copy and a ``torch.load``-ed model get a key and views of their own buffers, and decode
+    compiled after the original is gone, with the same tokens as before."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1))
+    model.set_active_adapter("a")
+    torch._dynamo.reset()
+    want = model.generate(ids, **NEW, **_static())
+    assert model.fastaf.packed is not None
+    model.__dict__.pop("_compiled_call")  # transformers' compiled __call__ does not pickle (the base's neither)
+    torch.save(model, tmp_path / "model.pt")
+    twins = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+    keys = {model.fastaf.packed[2].key}
+    del model
+    gc.collect()
+    for twin in twins:
+        pack = twin.fastaf.packed[2]
+        assert pack.key not in keys and all(v.untyped_storage().data_ptr() == pack.buffers[0].untyped_storage().data_ptr()
+                                            for lora in pack.eager.values() for v in (lora.A, lora.B))
+        keys.add(pack.key)
+        assert torch.equal(twin.generate(ids, **NEW, **_static()), want)
 
 
 def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
