@@ -214,9 +214,8 @@ class _Registry(nn.Module):
         # which its compiled decoding steps read; and that pack kept, with the factors it copied
         self.generating: Packed | None = None
         self.packed: list | None = None  # [(path, shapes, dtype, ...) per LoRA, (id, version) per factor, Packed]
-        self.key = ""  # what its module hooks hold to find it (``_keyed``)
         self.unkeyed = False  # hooks of a copy still hold its original's key (``__setstate__``)
-        _keyed(self)
+        _keyed(self)  # ``self.key``: what its module hooks hold to find it
 
     def __setstate__(self, state: dict) -> None:
         """A deep copy, or a registry unpickled beside the one it was saved from: under a key of
@@ -225,7 +224,7 @@ class _Registry(nn.Module):
         registers targets the model itself), at the model's next call (``start_call``)."""
         super().__setstate__(state)
         self.__dict__.setdefault("unkeyed", False)
-        key = self.__dict__.get("key", "")  # (none in a registry pickled before hooks held keys: bound to it)
+        key = self.__dict__.get("key", "")  # (none where the pickled hooks are bound to the registry)
         held = getattr(_REGISTRIES, key, None) if key else None
         if held is not None and held() is not None and held() is not self:
             _keyed(self)
