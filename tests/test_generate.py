@@ -214,37 +214,34 @@ def _guards(text: str) -> int:
     return len(re.findall(r"\+- [A-Z_]+[:(]", text))
 
 
-def test_a_compiled_decode_step_has_no_python_guard_per_adapted_layer():
+def _decoder_of(layers: int, via: str):
+    """``generate(ids, **kw)`` of a tiny Llama with an adapter on seven projections, through ``via``:
+    ``fa.generate`` or the stateful layer's ``model.generate``."""
+    model = tiny_llama(layers=layers).eval().requires_grad_(False)
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                             r=4, seed=1)
+    if via == "fa.generate":
+        return lambda ids, **kw: fa.generate(model, adapter, ids, **kw)
+    fa.init(model)
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    return model.generate
+
+
+@pytest.mark.parametrize("via", ["fa.generate", "stateful"])
+def test_a_compiled_decode_step_has_no_python_guard_per_adapted_layer(via):
     """Dynamo guards an object reached two ways in a trace with an identity check Python
-    evaluates at every call of the graph: fastaf's part of the step (the routes' resolution over
-    the model's modules, the mode's scan of each op's arguments) must add none per layer, where
-    it added four per layer (type checks on each module and on each cache layer's device)."""
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    evaluates at every call of the graph: fastaf's part of the step must add none per layer.
+    ``fa.generate`` added four per layer (type checks on each module and on each cache layer's
+    device, from the routes' resolution and the mode's scan of each op's arguments); the stateful
+    layer two per adapted module, its registry bound into each module's pre-hook and hook (now
+    reached through a key, ``_stateful._REGISTRIES``)."""
     counts = []
     for layers in (1, 2):
-        model = tiny_llama(layers=layers).eval().requires_grad_(False)
-        adapter = random_adapter(model, targets, r=4, seed=1)
+        run = _decoder_of(layers, via)
         torch._dynamo.reset()
         with _python_guards() as counted:
-            fa.generate(model, adapter, token_batch(batch=2, seq=8), max_new_tokens=3, do_sample=False, **_static())
-        counts.append(counted[0])
-    assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
-
-
-def test_the_stateful_layers_compiled_decode_step_has_no_python_guard_per_adapted_layer():
-    """The stateful layer's hooks reach their registry through a key (``_stateful._REGISTRIES``):
-    traced, a registry bound into each module's pre-hook and hook was reached one way per hook,
-    two identity checks per adapted module that Python evaluated at every step."""
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    counts = []
-    for layers in (1, 2):
-        model = tiny_llama(layers=layers).eval().requires_grad_(False)
-        fa.init(model)
-        model.add_new_adapter("a", random_adapter(model, targets, r=4, seed=1))
-        model.set_active_adapter("a")
-        torch._dynamo.reset()
-        with _python_guards() as counted:
-            model.generate(token_batch(batch=2, seq=8), max_new_tokens=3, do_sample=False, **_static())
+            run(token_batch(batch=2, seq=8), max_new_tokens=3, do_sample=False, **_static())
         counts.append(counted[0])
     assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
 
