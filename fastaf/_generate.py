@@ -63,19 +63,29 @@ def generate(
     adapter = combine(adapter)
     present = adapter is not None and len(adapter) > 0
     if present:
-        adapter = _in_compute_dtype(model, adapter)
+        adapter = in_compute_dtype(model, adapter)
     if compiles_decode_step(model, generate_kwargs):
-        if present:
-            adapter, ids = _static_copy(model, adapter, ids)
-        with _adapted_calls(model, adapter, ids):
+        with adapted_decoding(model, adapter if present else None, ids):
             return run()
     return scoped_call(model, adapter, run, adapter_ids=ids, batch=batch)
+
+
+@contextlib.contextmanager
+def adapted_decoding(model: nn.Module, adapter: Adapter | None, ids: Any = None) -> Iterator[None]:
+    """``model`` (and its encoder) applying ``adapter`` (factors in the weights' dtypes, or None)
+    and ``ids`` inside each call while the block runs: the way a ``generate`` whose decode step
+    compiles runs, the step's graph holding the LoRA ops over a static copy of the factors
+    (``_static_copy``, ``_AdaptedForward``). The stateful layer's ``generate`` runs the same way."""
+    if adapter is not None:
+        adapter, ids = _static_copy(model, adapter, ids)
+    with _adapted_calls(model, adapter, ids):
+        yield
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _in_compute_dtype(model: nn.Module, adapter: Adapter) -> Adapter:
+def in_compute_dtype(model: nn.Module, adapter: Adapter) -> Adapter:
     """``adapter`` with its fp32 (or fp64) factors cast once to the dtype of the half-precision
     weight each adapts: the ops cast them to the input's dtype at every call otherwise, two launches
     per adapted layer per decoding step (fp32 master factors are how adapters train and load).
@@ -142,6 +152,12 @@ class _AdaptedForward:
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
 _lock = threading.Lock()  # installs and restores of the forwards
+
+
+def adapting_calls(model: nn.Module) -> bool:
+    """Whether a ``fastaf.generate`` whose decode step compiles is running on ``model`` (its
+    forward is an ``_AdaptedForward`` meanwhile)."""
+    return isinstance(model.__dict__.get("forward"), _AdaptedForward)
 
 
 @contextlib.contextmanager

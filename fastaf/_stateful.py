@@ -36,9 +36,10 @@ A thin layer over the functional core for code that expects a stateful model (HF
 - Bound methods: ``add_new_adapter``, ``set_active_adapter``, ``remove_adapter``, ``get_adapter``;
   ``active_adapter`` is the active adapter's name; ``save_pretrained`` and ``load_state_dict`` are
   bound over the class's own (HF's save path), and ``forward`` is set on the instance (``_Forward``).
-  ``generate``, where the class has one, is bound over it too: while it runs, its compiled decoding
-  steps read the active adapter packed (``_Registry.pack``: one static buffer in the weights'
-  dtype, copied again when a factor changed).
+  ``generate``, where the class has one, is bound over it too: a ``generate`` whose decoding step
+  compiles runs as ``fastaf.generate`` does, the active adapter copied into one static buffer per
+  dtype (``_generate.adapted_decoding``), with the hooks lifted meanwhile (``_Registry.hooks_lifted``):
+  traced, each hook is a dozen guards per adapted layer that dynamo checks before every step.
 
 Inside ``fastaf.functional_call(model, adapter, ...)`` the explicit adapter stands in for the
 active one, as ``params`` stand in for the model's own parameters; with ``adapter=None`` the
@@ -74,12 +75,10 @@ from torch import nn
 
 from . import _config
 from ._layouts import check_module, linear_spec
-from ._generate import compiles_decode_step
-from ._packed import Packed
+from ._generate import adapted_decoding, adapting_calls, compiles_decode_step, in_compute_dtype
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
-                        module_mode, packed_4bit,
-                        module_routes)
+                        module_mode, module_routes, packed_4bit, scoped_call)
 from .ops import decoding, linear_rows, traced_decode
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
@@ -194,6 +193,7 @@ class _Registry(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.fastaf_holds_no_targets = True  # the routes' walk of the model skips it (``intercept.walked_modules``)
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.active_loras: dict[str, tuple] = {}  # key -> (its slot module, its LoRA): the active slot's, cached
@@ -210,10 +210,7 @@ class _Registry(nn.Module):
         self.grouping: _Grouping | None = None  # the active adapter's (eager calls)
         self.checked_training = False  # ``check_training`` ran since the last activation
         self.own_forward: Any = None  # a forward set on the model instance before init (accelerate's), if any
-        # while the model's ``generate`` runs: the active adapter's decoding LoRAs packed (``pack``),
-        # which its compiled decoding steps read; and that pack kept, with the factors it copied
-        self.generating: Packed | None = None
-        self.packed: list | None = None  # [(path, shapes, dtype, ...) per LoRA, (id, version) per factor, Packed]
+        self.lifted: int | None = None  # the thread whose generate runs with the hooks off (``hooks_lifted``)
         self.unkeyed = False  # hooks of a copy still hold its original's key (``__setstate__``)
         _keyed(self)  # ``self.key``: what its module hooks hold to find it
 
@@ -224,6 +221,8 @@ class _Registry(nn.Module):
         registers targets the model itself), at the model's next call (``start_call``)."""
         super().__setstate__(state)
         self.__dict__.setdefault("unkeyed", False)
+        self.fastaf_holds_no_targets = True
+        self.lifted = None  # (a copy made while a generate ran: the copy's hooks are in place)
         key = self.__dict__.get("key", "")  # (none where the pickled hooks are bound to the registry)
         held = getattr(_REGISTRIES, key, None) if key else None
         if held is not None and held() is not None and held() is not self:
@@ -318,6 +317,44 @@ class _Registry(nn.Module):
             model._forward_pre_hooks.pop(self.call_hooks[0], None)
             self.call_hooks = (None, self.call_hooks[1])
 
+    @contextlib.contextmanager
+    def hooks_lifted(self, model: nn.Module) -> Iterator[None]:
+        """The hooks this registry put on ``model`` and its modules, and the active adapter's decode
+        forwards, off them while the block runs in this thread (``lifted``); back on exit, also on
+        error, each hook in its place among the others (a user's hook registered after fastaf's
+        still sees the adapted output). Hooks others add or remove meanwhile stay as they are."""
+        placed = [(m._forward_pre_hooks, i) for m, i in self.entered.values()]
+        placed += [(m.__dict__[where], i) for m, i in self.watched.values()
+                   for where in ("_forward_hooks", "_forward_hooks_always_called")]
+        pre, post = self.call_hooks or (None, None)
+        placed += [(model._forward_pre_hooks, pre)] if pre is not None else []
+        placed += [(model.__dict__[where], post) for where in ("_forward_hooks", "_forward_hooks_always_called")
+                   if post is not None]
+        taken: dict[int, tuple[dict, list, set]] = {}  # id(hook dict) -> (it, its items before, the ids taken)
+        for hooks, hook_id in placed:
+            if hook_id in hooks:
+                held = taken.setdefault(id(hooks), (hooks, list(hooks.items()), set()))
+                held[2].add(hook_id)
+        forwards = [(m, f) for m, f in self.forwards.values() if m.__dict__.get("forward") is f]
+        for hooks, _, ids in taken.values():
+            for hook_id in ids:
+                del hooks[hook_id]
+        for module, _ in forwards:
+            del module.__dict__["forward"]
+        self.lifted = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.lifted = None
+            for module, forward in forwards:
+                module.__dict__.setdefault("forward", forward)
+            for hooks, before, ids in taken.values():
+                now = dict(hooks)
+                order = [(k, now.get(k, v)) for k, v in before if k in now or k in ids]
+                order += [(k, v) for k, v in now.items() if k not in dict(before)]
+                hooks.clear()
+                hooks.update(order)
+
     def watch(self, model: nn.Module) -> None:
         """An always-called hook (``leave_module``) on each module some adapter's LoRA applies to,
         and on no other: moved to a module that replaced one, removed with the last adapter there."""
@@ -407,48 +444,12 @@ class _Registry(nn.Module):
         impl = _config.flags().stateful_impl
         if torch.compiler.is_compiling() and (torch.is_grad_enabled() or impl != "auto"):
             return None  # a training step: the mode's op path
-        packed = self.generating if torch.compiler.is_compiling() else None
-        if packed is not None and packed.holds(keys[0]):
-            lora = packed.lora(keys[0])
-        else:
-            lora = self.active_lora(keys[0])
+        lora = self.active_lora(keys[0])
         if torch.compiler.is_compiling():
             inference = not (module.training and lora.dropout)
         else:
             inference = type(x) is torch.Tensor and decoding(x, lora, impl, module.training)
         return lora if inference and not explicit_mode_active() else None
-
-    def pack(self) -> Packed | None:
-        """The active adapter's LoRAs on the layers its decode forward runs (``_DecodeForward``),
-        in their weights' dtypes, packed for a ``generate``'s compiled decoding steps; None with
-        no such layer. Kept per structure, and copied again when a factor was changed in place
-        (its version) or replaced since: what ``generate`` reads is never stale.
-
-        The pack is one graph input per dtype where the slots' Parameters are two per adapted
-        layer (each fetched and checked by the host at every step), and in the weights' dtype
-        where the Parameters are fp32 masters that every program of the one-launch linear reads
-        (H200, run 246e: the step's GPU time 2948 us with them against 2661 with bf16 factors)."""
-        if self.active is None:
-            return None
-        loras = {}  # key (a plain nn.Linear's own path) -> (its LoRA from the slot's Parameters, its weight's dtype)
-        for path, (module, forward) in self.forwards.items():
-            if isinstance(forward, _DecodeForward):
-                loras[path] = (self.active_lora(path), module._parameters["weight"].dtype)
-        if not loras:
-            return None
-        structure = tuple((key, l.A.shape, l.B.shape, l.A.device, dtype, l.scale, l.dropout)
-                          for key, (l, dtype) in loras.items())
-        if self.packed is None or self.packed[0] != structure:
-            def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # its shape in dtype, nothing allocated
-                return torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
-
-            self.packed = [structure, None, Packed(Adapter._unchecked(
-                {key: LoRA(like(l.A, dtype), like(l.B, dtype), l.scale, l.dropout) for key, (l, dtype) in loras.items()}))]
-        stamp = tuple((id(t), t._version) for l, _ in loras.values() for t in (l.A, l.B))
-        if self.packed[1] != stamp:
-            self.packed[2].fill(Adapter._unchecked({key: l for key, (l, _) in loras.items()}))
-            self.packed[1] = stamp
-        return self.packed[2]
 
     def decode_lora(self, key: str, lora: LoRA, dtype: torch.dtype) -> LoRA:
         """The active ``lora`` at ``key`` with its factors in ``dtype``: fp32 masters cast once while
@@ -1097,22 +1098,39 @@ class _Forward:
 
 
 def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The model class's ``generate``, its compiled decoding steps (a static cache, a
-    ``compile_config``) reading the active adapter from a pack of its factors made for the call
-    (``_Registry.pack``); any other call of the model meanwhile, eager or compiled, reads them as
-    they are. (Bound by ``init`` on models with a ``generate``.)"""
+    """The model class's ``generate``. One whose decoding step compiles (a static cache, a
+    ``compile_config``) runs as ``fastaf.generate`` with the active adapter does (its factors
+    copied, in the weights' dtypes, into the static buffers the step's graph reads), this
+    registry's hooks lifted meanwhile: traced, they were a dozen guards per adapted layer that
+    dynamo checks before every step (16 layers of 7 adapted linears: twice ``fastaf.generate``'s
+    guard time). Meanwhile another thread's call of the model applies the adapter through the
+    model's forward (``_model_forward``); a submodule that thread calls alone runs without it.
+    (Bound by ``init`` on models with a ``generate``.)"""
     registry = _registry(self)
-    packed = registry.pack() if compiles_decode_step(self, kwargs) else None  # (eager steps read the factors)
-    previous, registry.generating = registry.generating, packed
-    try:
+    if registry.lifted is not None or not compiles_decode_step(self, kwargs):
         return type(self).generate(self, *args, **kwargs)
-    finally:
-        registry.generating = previous
+    if registry.active is None or adapting_calls(self):  # no adapter, or fastaf.generate's explicit one
+        with registry.hooks_lifted(self):
+            return type(self).generate(self, *args, **kwargs)
+    adapter = in_compute_dtype(self, registry.slot(registry.active).adapter(detach=True))
+    with registry.hooks_lifted(self), adapted_decoding(self, adapter):
+        return type(self).generate(self, *args, **kwargs)
 
 
 def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    own = _registry(self).own_forward
-    return own(*args, **kwargs) if own is not None else type(self).forward(self, *args, **kwargs)
+    registry = _registry(self)
+    # (traced, the call is the lifting generate's decoding step, as ``fastaf.generate`` takes it)
+    if not torch.compiler.is_compiling() and registry.lifted not in (None, threading.get_ident()) \
+            and registry.active is not None:
+        # another thread's generate lifted the hooks: the active adapter applied around the call
+        adapter = registry.slot(registry.active).adapter(detach=not torch.is_grad_enabled())
+        return scoped_call(self, adapter, lambda: _own_forward(self, registry.own_forward, args, kwargs))
+    return _own_forward(self, registry.own_forward, args, kwargs)
+
+
+def _own_forward(model: nn.Module, own: Any, args: tuple, kwargs: dict) -> Any:
+    """The forward ``init`` found: one set on the instance before (accelerate's), else the class's."""
+    return own(*args, **kwargs) if own is not None else type(model).forward(model, *args, **kwargs)
 
 
 _METHODS = {

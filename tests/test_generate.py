@@ -9,6 +9,7 @@ import inspect
 import io
 import logging
 import re
+import threading
 
 import peft
 import pytest
@@ -246,21 +247,22 @@ def test_a_compiled_decode_step_has_no_python_guard_per_adapted_layer(via):
     assert counts[0] > 0 and counts[1] - counts[0] <= 1, f"Python guards with 1 and 2 layers: {counts}"
 
 
-def test_a_compiled_decode_steps_guards_grow_per_layer_at_most_twice_as_fast_as_the_base_steps():
+@pytest.mark.parametrize("via", ["fa.generate", "stateful"])
+def test_a_compiled_decode_steps_guards_grow_per_layer_at_most_twice_as_fast_as_the_base_steps(via):
     """The guards run at every decoding step, in the host time the GPU waits on: fastaf's part
     (the routes' walk over the modules, the packed adapter's layout) may add to the base step's
     guards per layer, but not tens per adapted linear. It added ~40 per adapted linear for the
     layout (each path, offset, size and scale), read now as constants, and a guard per module
-    that called ``nn.Module.__getattr__`` (which raises) for a name the module lacks."""
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    that called ``nn.Module.__getattr__`` (which raises) for a name the module lacks. The
+    stateful layer's hooks and decode forwards added ~14 per adapted linear (each hook's
+    ``functools.partial``, its arguments, its always-called flag): its generate lifts them."""
     counts = {"base": [], "fastaf": []}
     for layers in (1, 2):
         model = tiny_llama(layers=layers).eval().requires_grad_(False)
-        adapter = random_adapter(model, targets, r=4, seed=1)
         ids = token_batch(batch=2, seq=8)
+        adapted = _decoder_of(layers, via)
         for name, run in (("base", lambda: model.generate(ids, max_new_tokens=3, do_sample=False, **_static())),
-                          ("fastaf", lambda: fa.generate(model, adapter, ids, max_new_tokens=3, do_sample=False,
-                                                         **_static()))):
+                          ("fastaf", lambda: adapted(ids, max_new_tokens=3, do_sample=False, **_static()))):
             torch._dynamo.reset()
             with _guard_log() as logged:
                 run()
@@ -420,20 +422,17 @@ def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_it
     assert not _fastaf_breaks(), counters["graph_break"]
 
 
-def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_factors_change():
+def test_the_stateful_layers_compiled_decode_reads_the_factors_as_they_are_at_each_generate():
     """While the stateful layer's ``generate`` runs with a compiled decoding step, the step reads
     the active adapter packed (one flat buffer: the base step's graph inputs plus one); factors
     changed in place since (an optimizer step) are copied again at the next ``generate``, with no
-    new graph; an eager ``generate`` packs nothing, and a compiled call outside ``generate`` reads
-    the Parameters as they are."""
+    new graph; a compiled call outside ``generate`` reads the Parameters as they are."""
     base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     model = fa.init(copy.deepcopy(base))
     assert inspect.signature(model.generate) == inspect.signature(base.generate)  # the class's, as callers read it
     model.add_new_adapter("a", random_adapter(base, ["q_proj", "v_proj", "down_proj"], r=4, seed=1))
     model.set_active_adapter("a")
-    model.generate(ids, **NEW)
-    assert model.fastaf.packed is None  # an eager generate reads the Parameters: nothing packed for it
     graphs: list = []
     static = _recording_static(graphs)
     torch._dynamo.reset()
@@ -452,10 +451,82 @@ def test_the_stateful_layers_compiled_decode_reads_a_pack_copied_again_when_the_
         assert torch.allclose(compiled, fa.functional_call(base, model.get_adapter("a"), (ids,)).logits, atol=1e-5)
 
 
-def test_a_stateful_model_that_decoded_compiled_copies_and_pickles_with_its_pack(tmp_path):
-    """The registry keeps its pack (``_packed.Packed``), whose layout lives under a key of its own:
-    a deep copy and a ``torch.load``-ed model get a key and views of their own buffers, and decode
-    compiled after the original is gone, with the same tokens as before."""
+def _hook_dicts(model) -> dict:
+    """Every module's hook dicts, as (path, dict name) -> [(hook id, hook)] in order."""
+    return {(path, where): list(getattr(m, where).items()) for path, m in model.named_modules()
+            for where in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called")
+            if getattr(m, where)}
+
+
+def test_the_stateful_generate_puts_every_hook_back_in_its_place_also_after_an_error():
+    """A compiled decoding step runs with the stateful layer's hooks lifted (``hooks_lifted``):
+    after the generate, and after one that raised, each hook is back in its place among the
+    user's, so a user's hook registered after fastaf's still sees the adapted output, and the
+    decode forwards are back on their layers."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
+    model = fa.init(copy.deepcopy(base))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    seen = []
+    q_proj.register_forward_pre_hook(lambda m, args: None)  # the user's, before fastaf's
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    q_proj.register_forward_hook(lambda m, args, out: seen.append(out))  # after fastaf's
+    before, forward = _hook_dicts(model), q_proj.__dict__.get("forward")
+    assert forward is not None and sum(len(h) for h in before.values()) > 3
+    want = fa.generate(base, adapter, ids, **NEW)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(ids, **NEW, **_static()), want)
+    assert _hook_dicts(model) == before and q_proj.__dict__.get("forward") is forward
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(ids, **NEW, **_static(), stopping_criteria=[stop])
+    assert _hook_dicts(model) == before and q_proj.__dict__.get("forward") is forward
+    x = ids[:1, :4]
+    seen.clear()
+    want_seen = []
+    hook = base.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, args, out: want_seen.append(out))
+    with torch.no_grad():
+        adapted = fa.functional_call(base, adapter, (x,)).logits
+        assert torch.allclose(model(x).logits, adapted, atol=1e-5)
+    hook.remove()
+    assert torch.allclose(seen[0], want_seen[0], atol=1e-5)  # the user's hook sees the adapted output
+
+
+def test_another_threads_call_of_the_model_during_a_stateful_compiled_generate_gets_the_adapter():
+    """Meanwhile the hooks are lifted: another thread's call of the model applies the active
+    adapter through the model's forward."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    x = ids[:1, :5]
+    with torch.no_grad():
+        want = fa.functional_call(base, adapter, (x,)).logits
+    got = []
+
+    def call_from_another_thread(input_ids, scores):
+        if not got:
+            assert model.fastaf.lifted is not None  # the generate runs with the hooks lifted
+            thread = threading.Thread(target=lambda: got.append(model(x).logits))
+            thread.start()
+            thread.join()
+        return scores
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model.generate(ids, **NEW, **_static(), logits_processor=[call_from_another_thread])
+    assert len(got) == 1 and torch.allclose(got[0], want, atol=1e-5)
+
+
+def test_a_stateful_model_that_decoded_compiled_copies_and_pickles(tmp_path):
+    """A deep copy and a ``torch.load``-ed model of one that decoded compiled decode compiled
+    after the original is gone, with the same tokens as before (their own hooks, their own
+    static copy of the factors)."""
     base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     model = fa.init(copy.deepcopy(base))
@@ -463,18 +534,13 @@ def test_a_stateful_model_that_decoded_compiled_copies_and_pickles_with_its_pack
     model.set_active_adapter("a")
     torch._dynamo.reset()
     want = model.generate(ids, **NEW, **_static())
-    assert model.fastaf.packed is not None
     model.__dict__.pop("_compiled_call")  # transformers' compiled __call__ does not pickle (the base's neither)
     torch.save(model, tmp_path / "model.pt")
     twins = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
-    keys = {model.fastaf.packed[2].key}
     del model
     gc.collect()
     for twin in twins:
-        pack = twin.fastaf.packed[2]
-        assert pack.key not in keys and all(v.untyped_storage().data_ptr() == pack.buffers[0].untyped_storage().data_ptr()
-                                            for lora in pack.eager.values() for v in (lora.A, lora.B))
-        keys.add(pack.key)
+        assert twin.fastaf.lifted is None
         assert torch.equal(twin.generate(ids, **NEW, **_static()), want)
 
 
@@ -559,7 +625,7 @@ def test_a_half_precision_model_decodes_with_its_fp32_factors_cast_once_and_the_
     ids = token_batch(batch=2, seq=8)
     adapter = random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=4, seed=3)
     adapter = fa.Adapter({p: fa.LoRA(l.A.float(), l.B.float() + 0.05, l.scale) for p, l in adapter.items()})
-    cast = _generate._in_compute_dtype(model, adapter)
+    cast = _generate.in_compute_dtype(model, adapter)
     assert {l.A.dtype for l in cast.values()} == {l.B.dtype for l in cast.values()} == {torch.bfloat16}
     want = fa.functional_call(model, adapter, (ids,)).logits  # the ops' own casts, per call
     assert torch.equal(fa.functional_call(model, cast, (ids,)).logits, want)

@@ -44,7 +44,7 @@ from .._layouts import LinearSpec, ParamSpec, check_module, fold_linear, fold_pa
 from ..ops import IMPLS, current_level, noted, peek_interpreter, unwrap_for_grad
 from . import carrier, rules, use
 from .groups import Groups
-from .routes import Route, module_routes, resolve_routes
+from .routes import Route, module_routes, resolve_routes, walked_modules
 
 # When siblings take their h from one pass over their shared input: ``_config.flags().share_input``,
 # "compiled" by default. Eagerly the extra autograd node per group costs more host time than the
@@ -393,7 +393,7 @@ def adapter_mode(
     ``adapter_ids`` (checked by the caller) selects a stack slot per example.
     """
     check_module(model, "fastaf.functional.adapter_mode")
-    modules = dict(model.named_modules())
+    modules = walked_modules(model)
     routes = resolve_routes(model, adapter, dict(params or {}), stacked=adapter_ids is not None, modules=modules)
     mode = LoRAMode(routes, impl, ids=adapter_ids)
     mode.modules = modules  # the walk the routes came from: the call's other checks read it, not a new one

@@ -136,14 +136,24 @@ def _check_fits(path: str, lora: LoRA, module: nn.Module, weight: Tensor, spec: 
 
 
 
+def walked_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``dict(model.named_modules())`` less the subtrees of the model's children that hold
+    ``fastaf_holds_no_targets`` (the stateful layer's registry of factors, one module per adapted
+    layer): no adapter targets a module there, and traced, each module walked is guards dynamo
+    checks at every call of the graph. (Read from the children's ``__dict__``: a guard each, C++.)"""
+    skipped = {child for child in model._modules.values()
+               if child is not None and child.__dict__.get("fastaf_holds_no_targets", False)}
+    return dict(model.named_modules(memo=skipped))
+
+
 def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,
             stacked: bool = False, modules: Mapping[str, nn.Module] | None = None) -> dict[int, Route]:
     """Validate every path of ``adapter`` against ``model`` and map weight ids to routes.
 
     ``stacked``: the call has ``adapter_ids``, so every LoRA must carry the stack axis.
-    ``modules``: ``dict(model.named_modules())``, where the caller walked it already.
+    ``modules``: ``walked_modules(model)``, where the caller walked it already.
     """
-    modules = dict(model.named_modules()) if modules is None else modules
+    modules = walked_modules(model) if modules is None else modules
     check = not torch.compiler.is_compiling()
     # the last adapter resolved on this model, again (an inference loop's every call): its paths'
     # modules, layouts and fits stand while the model holds the same modules and weights

@@ -32,7 +32,7 @@ from .._layouts import LinearSpec, compiled_class
 from ..ops import interpreter_stack
 from . import carrier, use
 from .mode import LoRAMode, adapter_mode
-from .routes import Route, is_dtensor
+from .routes import Route, is_dtensor, walked_modules
 
 
 def combine(adapter: Adapter | Sequence[Adapter] | None) -> Adapter | None:
@@ -270,7 +270,7 @@ def scoped_call(
         # (its model-level property warns). Read from each module's __dict__: a getattr of a name a
         # module lacks is a guard that calls nn.Module.__getattr__ (which raises) at every call of
         # the graph, on every module of the model
-        if any(m.__dict__.get("gradient_checkpointing") is True for m in model.modules()):
+        if any(m.__dict__.get("gradient_checkpointing") is True for m in walked_modules(model).values()):
             # dynamo traces a checkpointed layer as a subgraph of its own, where the mode is not
             # dispatched: the layers would run without the adapter, silently
             raise NotImplementedError(
