@@ -65,6 +65,7 @@ def generate(
     if present:
         adapter = in_compute_dtype(model, adapter)
     if compiles_decode_step(model, generate_kwargs):
+        drop_foreign_compiled_call(model)
         with adapted_decoding(model, adapter if present else None, ids):
             return run()
     return scoped_call(model, adapter, run, adapter_ids=ids, batch=batch)
@@ -152,6 +153,18 @@ class _AdaptedForward:
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
 _lock = threading.Lock()  # installs and restores of the forwards
+
+
+def drop_foreign_compiled_call(model: nn.Module) -> None:
+    """Drop the compiled ``__call__`` transformers keeps on ``model`` (``_compiled_call``, made at
+    the first ``generate`` whose decode step compiles) where it calls another model: a deep copy
+    (``copy.deepcopy``, ``fa.init(copy.deepcopy(model))``) keeps the original's, bound to the
+    original, and its decoding steps ran the original model, not the copy nor its adapter. The
+    next ``generate`` compiles one for ``model``."""
+    compiled = model.__dict__.get("_compiled_call")
+    bound = getattr(getattr(compiled, "_torchdynamo_orig_callable", None), "__self__", model)
+    if bound is not model:
+        del model.__dict__["_compiled_call"]
 
 
 def adapting_calls(model: nn.Module) -> bool:

@@ -75,7 +75,8 @@ from torch import nn
 
 from . import _config
 from ._layouts import check_module, linear_spec
-from ._generate import adapted_decoding, adapting_calls, compiles_decode_step, in_compute_dtype
+from ._generate import (adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call,
+                        in_compute_dtype)
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, module_routes, packed_4bit, scoped_call)
@@ -1109,6 +1110,7 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     registry = _registry(self)
     if registry.lifted is not None or not compiles_decode_step(self, kwargs):
         return type(self).generate(self, *args, **kwargs)
+    drop_foreign_compiled_call(self)
     if registry.active is None or adapting_calls(self):  # no adapter, or fastaf.generate's explicit one
         with registry.hooks_lifted(self):
             return type(self).generate(self, *args, **kwargs)

@@ -69,6 +69,11 @@ def test_one_adapter_compiled_decode_equals_the_dynamic_path_and_peft_and_compil
             assert _graphs() == graphs, "new adapter values compiled a new graph"
     assert _graphs() >= 1 and not _fastaf_breaks(), counters["graph_break"]
     assert "forward" not in model.__dict__  # left as it was
+    stateful = fa.init(copy.deepcopy(model))
+    stateful.add_new_adapter("a", second)
+    stateful.set_active_adapter("a")
+    assert torch.equal(stateful.generate(ids, **NEW, **_static()), got)
+    assert not _fastaf_breaks(), counters["graph_break"]
     peft_model = peft_model_with(copy.deepcopy(model), {"default": second}, targets, {"default": (4, 8.0)}).eval()
     assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)
     assert not torch.equal(model.generate(ids, **NEW), got)  # the adapter changes the tokens
@@ -544,6 +549,24 @@ def test_a_stateful_model_that_decoded_compiled_copies_and_pickles(tmp_path):
         assert torch.equal(twin.generate(ids, **NEW, **_static()), want)
 
 
+def test_a_deep_copy_of_a_model_that_decoded_compiled_decodes_itself_compiled():
+    """transformers keeps the compiled ``model.__call__`` on the instance, and a deep copy keeps the
+    original's, bound to the original: the copy's compiled steps ran the original model (here the
+    base, without the copy's adapter). ``fa.generate`` and the stateful layer drop it."""
+    model = tiny_llama().eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(model, ["q_proj", "v_proj", "down_proj"], r=4, seed=1)
+    want = fa.generate(model, adapter, ids, **NEW)
+    torch._dynamo.reset()
+    plain = model.generate(ids, **NEW, **_static())  # leaves model._compiled_call
+    assert not torch.equal(plain, want)
+    assert torch.equal(fa.generate(copy.deepcopy(model), adapter, ids, **NEW, **_static()), want)
+    stateful = fa.init(copy.deepcopy(model))
+    stateful.add_new_adapter("a", adapter)
+    stateful.set_active_adapter("a")
+    assert torch.equal(stateful.generate(ids, **NEW, **_static()), want)
+
+
 def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
     model = tiny_bart().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
@@ -556,6 +579,11 @@ def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert (w - b).abs().max() > 1e-3  # the adapter, encoder included, changes every step
     assert "forward" not in model.__dict__ and "forward" not in model.get_encoder().__dict__
+    stateful = fa.init(copy.deepcopy(model))  # the stateful layer's generate: its encoder adapted too
+    stateful.add_new_adapter("a", adapter)
+    stateful.set_active_adapter("a")
+    for w, g in zip(want.logits, stateful.generate(ids, **kw, **_static()).logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_a_graph_compiled_for_another_instance_never_serves_an_adapted_model():
