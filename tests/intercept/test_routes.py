@@ -3,6 +3,8 @@ the same model reuses its last resolution, and any change of the model's modules
 is seen as on a first call: outputs against a fresh resolution, errors naming the path."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -67,3 +69,32 @@ def test_a_weight_moved_to_another_device_in_place_is_an_error_naming_the_path()
         torch.utils.swap_tensors(weight, nn.Parameter(torch.empty_like(weight, device="meta")))
         with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj: LoRA A .* is on cpu but the weight is on meta"):
             fa.functional_call(model, adapter, (x,))
+
+
+def test_the_walk_skips_a_child_that_holds_no_targets_and_nothing_else():
+    """``walked_modules`` is ``named_modules`` less the subtree of a child marked
+    ``fastaf_holds_no_targets`` (the stateful registry: one module per adapted layer, each a
+    guard set in a traced call's walk); a module reached both inside and outside it stays."""
+    shared = nn.Linear(3, 3)
+    registry = nn.Module()
+    registry.fastaf_holds_no_targets = True
+    registry.inner = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model = nn.Sequential(shared, nn.ReLU())
+    model.add_module("fastaf", registry)
+    assert _routes.walked_modules(model) == {"": model, "0": shared, "1": model[1]}
+    model.fastaf.fastaf_holds_no_targets = False
+    assert _routes.walked_modules(model) == dict(model.named_modules())
+
+
+def test_a_stateful_models_registry_is_not_walked_and_its_adapter_resolves_as_the_plain_models():
+    base = tiny_llama(layers=1).requires_grad_(False)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=2, seed=1)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    walked = _routes.walked_modules(model)
+    assert not any(p == "fastaf" or p.startswith("fastaf.") for p in walked)
+    assert walked.keys() == dict(base.named_modules()).keys()
+    x = token_batch(batch=1, seq=4)
+    with torch.no_grad():
+        torch.testing.assert_close(fa.functional_call(model, adapter, (x,)).logits,
+                                   fa.functional_call(base, adapter, (x,)).logits)
