@@ -62,20 +62,20 @@ def generate(
     run = lambda: model.generate(**generate_kwargs)  # noqa: E731
     adapter = combine(adapter)
     present = adapter is not None and len(adapter) > 0
-    if present:
-        adapter = in_compute_dtype(model, adapter)
     if compiles_decode_step(model, generate_kwargs):
         drop_foreign_compiled_call(model)
         with adapted_decoding(model, adapter if present else None, ids):
             return run()
+    if present:
+        adapter = in_compute_dtype(model, adapter)
     return scoped_call(model, adapter, run, adapter_ids=ids, batch=batch)
 
 
 @contextlib.contextmanager
 def adapted_decoding(model: nn.Module, adapter: Adapter | None, ids: Any = None) -> Iterator[None]:
-    """``model`` (and its encoder) applying ``adapter`` (factors in the weights' dtypes, or None)
-    and ``ids`` inside each call while the block runs: the way a ``generate`` whose decode step
-    compiles runs, the step's graph holding the LoRA ops over a static copy of the factors
+    """``model`` (and its encoder) applying ``adapter`` (or None) and ``ids`` inside each call
+    while the block runs: the way a ``generate`` whose decode step compiles runs, the step's graph
+    holding the LoRA ops over a static copy of the factors, cast to the weights' half dtypes
     (``_static_copy``, ``_AdaptedForward``). The stateful layer's ``generate`` runs the same way."""
     if adapter is not None:
         adapter, ids = _static_copy(model, adapter, ids)
@@ -86,18 +86,22 @@ def adapted_decoding(model: nn.Module, adapter: Adapter | None, ids: Any = None)
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def in_compute_dtype(model: nn.Module, adapter: Adapter) -> Adapter:
+def in_compute_dtype(model: nn.Module, adapter: Adapter, *, shapes_only: bool = False) -> Adapter:
     """``adapter`` with its fp32 (or fp64) factors cast once to the dtype of the half-precision
     weight each adapts: the ops cast them to the input's dtype at every call otherwise, two launches
     per adapted layer per decoding step (fp32 master factors are how adapters train and load).
-    The factors of weights in another dtype, or not found, stay as they are."""
+    The factors of weights in another dtype, or not found, stay as they are. ``shapes_only``: the
+    cast factors as their shapes and dtypes alone (nothing allocated, nothing copied), for a
+    ``Packed`` that ``fill`` casts into."""
     loras = {}
     for path, lora in adapter.items():
         dtype = _weight_dtype(model, path)
         if dtype in _HALF and lora.A.dtype not in _HALF:
-            lora = LoRA(lora.A.to(dtype), lora.B.to(dtype), lora.scale, lora.dropout, lora.experts)
+            cast = (lambda t: torch.empty((), dtype=dtype, device=t.device).expand(t.shape)) if shapes_only \
+                else (lambda t: t.to(dtype))
+            lora = LoRA(cast(lora.A), cast(lora.B), lora.scale, lora.dropout, lora.experts)
         loras[path] = lora
-    return Adapter(loras)
+    return Adapter._unchecked(loras) if shapes_only else Adapter(loras)
 
 
 def _weight_dtype(model: nn.Module, path: str) -> torch.dtype | None:
@@ -223,7 +227,8 @@ _STATIC_KEPT = 4  # structures per model: each holds a copy of an adapter's fact
 
 
 def _static_copy(model: nn.Module, adapter: Adapter, ids: Any) -> tuple[Packed, Any]:
-    """``adapter`` and ``ids`` copied into tensors kept per model and structure (paths, shapes,
+    """``adapter`` (its fp32 factors cast to the half dtype of the weights they adapt,
+    ``in_compute_dtype``) and ``ids`` copied into tensors kept per model and structure (paths, shapes,
     dtypes, devices, scales) and marked static for dynamo: the adapter packed into one flat
     buffer per dtype and device (``Packed``).
 
@@ -239,9 +244,10 @@ def _static_copy(model: nn.Module, adapter: Adapter, ids: Any) -> tuple[Packed, 
     kept = _STATIC.get(model)
     if kept is None:
         kept = _STATIC[model] = collections.OrderedDict()
+    shaped = in_compute_dtype(model, adapter, shapes_only=True)  # fill casts: fp32 masters copied once, as bf16
     key = ("adapter",) + tuple((path, l.A.shape, l.A.dtype, l.A.device, l.B.shape, l.B.dtype, l.scale, l.dropout,
-                                l.experts) for path, l in adapter.items())
-    held = _kept(kept, key, lambda: Packed(adapter))
+                                l.experts) for path, l in shaped.items())
+    held = _kept(kept, key, lambda: Packed(shaped))
     held.fill(adapter)
     if isinstance(ids, torch.Tensor):
         ids = _static_ids(kept, ids)

@@ -61,7 +61,7 @@ class Packed:
         _LAYOUTS[self.key] = layout
         weakref.finalize(self, _LAYOUTS.pop, self.key, None)
 
-    def __getstate__(self) -> dict:  # a copy or a pickle (a stateful model's registry keeps its pack)
+    def __getstate__(self) -> dict:  # a copy or a pickle
         return {"buffers": self.buffers, "layout": _LAYOUTS[self.key]}
 
     def __setstate__(self, state: dict) -> None:
@@ -79,9 +79,6 @@ class Packed:
     def traced(self) -> Adapter:
         """The adapter as views of the buffers (inside a trace: views in the graph)."""
         return Adapter._unchecked({path: self.lora(path) for path in _paths(self.key)})
-
-    def holds(self, path: str) -> bool:
-        return path in _paths(self.key)
 
     def lora(self, path: str) -> LoRA:
         """``path``'s LoRA as views of the buffers."""

@@ -75,8 +75,7 @@ from torch import nn
 
 from . import _config
 from ._layouts import check_module, linear_spec
-from ._generate import (adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call,
-                        in_compute_dtype)
+from ._generate import adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
                         module_mode, module_routes, packed_4bit, scoped_call)
@@ -1114,7 +1113,7 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if registry.active is None or adapting_calls(self):  # no adapter, or fastaf.generate's explicit one
         with registry.hooks_lifted(self):
             return type(self).generate(self, *args, **kwargs)
-    adapter = in_compute_dtype(self, registry.slot(registry.active).adapter(detach=True))
+    adapter = registry.slot(registry.active).adapter(detach=True)  # (packed in the weights' dtypes)
     with registry.hooks_lifted(self), adapted_decoding(self, adapter):
         return type(self).generate(self, *args, **kwargs)
 

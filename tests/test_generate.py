@@ -662,6 +662,12 @@ def test_a_half_precision_model_decodes_with_its_fp32_factors_cast_once_and_the_
     assert torch.equal(fa.generate(model, adapter, ids, **NEW, **_static()), tokens)
     held = next(v for k, v in _generate._STATIC[model].items() if k[0] == "adapter")
     assert held.eager["model.layers.0.self_attn.q_proj"].A.dtype == torch.bfloat16
+    stateful = fa.init(copy.deepcopy(model))  # its fp32 masters, packed as bf16 for the compiled steps
+    stateful.add_new_adapter("a", adapter)
+    stateful.set_active_adapter("a")
+    assert torch.equal(stateful.generate(ids, **NEW, **_static()), tokens)
+    held = next(v for k, v in _generate._STATIC[stateful].items() if k[0] == "adapter")
+    assert [b.dtype for b in held.buffers] == [torch.bfloat16]
 
 
 def test_eager_decoding_steps_take_the_decode_path_with_the_same_tokens(monkeypatch):
