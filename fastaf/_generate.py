@@ -171,10 +171,11 @@ def drop_foreign_compiled_call(model: nn.Module) -> None:
         del model.__dict__["_compiled_call"]
 
 
-def adapting_calls(model: nn.Module) -> bool:
-    """Whether a ``fastaf.generate`` whose decode step compiles is running on ``model`` (its
-    forward is an ``_AdaptedForward`` meanwhile)."""
-    return isinstance(model.__dict__.get("forward"), _AdaptedForward)
+def adapting_calls(model: nn.Module) -> bool | None:
+    """None where no ``fastaf.generate`` whose decode step compiles runs on ``model``; else
+    whether it applies an adapter of its own (its forward is an ``_AdaptedForward`` meanwhile)."""
+    forward = model.__dict__.get("forward")
+    return forward.adapter is not None if isinstance(forward, _AdaptedForward) else None
 
 
 @contextlib.contextmanager

@@ -77,8 +77,8 @@ from . import _config
 from ._layouts import check_module, linear_spec
 from ._generate import adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
-from .intercept import (Groups, branch_output, check_lost, dequantized, explicit_mode_active, link_siblings,
-                        module_mode, module_routes, packed_4bit, scoped_call)
+from .intercept import (TRACED_FORWARDS, Groups, branch_output, check_lost, dequantized, explicit_mode_active,
+                        link_siblings, module_mode, module_routes, packed_4bit, scoped_call)
 from .ops import decoding, linear_rows, traced_decode
 
 _ATTR = "fastaf"  # name of the registry submodule on the model
@@ -317,12 +317,36 @@ class _Registry(nn.Module):
             model._forward_pre_hooks.pop(self.call_hooks[0], None)
             self.call_hooks = (None, self.call_hooks[1])
 
+    def liftable(self, model: nn.Module) -> bool:
+        """Whether a compiled ``generate`` may run with the hooks lifted, as ``fastaf.generate``
+        runs: no other generate has them lifted, no module checkpoints (in training: a compiled
+        step over ``functional_call`` cannot follow it), no quantized layer where this torch's
+        dynamo cannot trace its forward's removal (``TRACED_FORWARDS``), no FSDP2-sharded
+        factor. Else the hooks stay, and the compiled steps run them."""
+        if self.lifted is not None:
+            return False
+        if any(m.__dict__.get("gradient_checkpointing") is True and m.training for m in model.modules()):
+            return False
+        if not TRACED_FORWARDS and any(_quantized(m) for m, _ in self.entered.values()):
+            return False
+        active = [] if self.active is None else self.slot(self.active).values()
+        return not any(_sharded(p.A) or _sharded(p.B) for p in active)
+
     @contextlib.contextmanager
     def hooks_lifted(self, model: nn.Module) -> Iterator[None]:
         """The hooks this registry put on ``model`` and its modules, and the active adapter's decode
-        forwards, off them while the block runs in this thread (``lifted``); back on exit, also on
-        error, each hook in its place among the others (a user's hook registered after fastaf's
-        still sees the adapted output). Hooks others add or remove meanwhile stay as they are."""
+        forwards, off them while the block runs in this thread (``lifted``, set before the first
+        is off and cleared after the last is back: another thread's call of the model sees it
+        whenever a hook is missing); back on exit, also on error, each hook in its place among the
+        others (a user's hook registered after fastaf's still sees the adapted output). An
+        activation meanwhile (``set_active_adapter``, ``remove_adapter``) registers its own hooks:
+        only the ones the registry still holds come back. Refused while another thread's generate
+        has them lifted."""
+        with _LIFTING:
+            if self.lifted is not None:
+                raise RuntimeError("fastaf: another generate with a compiled decoding step runs on this model "
+                                   "with its hooks lifted; one at a time per model")
+            self.lifted = threading.get_ident()
         placed = [(m._forward_pre_hooks, i) for m, i in self.entered.values()]
         placed += [(m.__dict__[where], i) for m, i in self.watched.values()
                    for where in ("_forward_hooks", "_forward_hooks_always_called")]
@@ -330,30 +354,31 @@ class _Registry(nn.Module):
         placed += [(model._forward_pre_hooks, pre)] if pre is not None else []
         placed += [(model.__dict__[where], post) for where in ("_forward_hooks", "_forward_hooks_always_called")
                    if post is not None]
-        taken: dict[int, tuple[dict, list, set]] = {}  # id(hook dict) -> (it, its items before, the ids taken)
+        taken: dict[int, tuple[dict, list, dict]] = {}  # id(hook dict) -> (it, its items before, id -> hook taken)
         for hooks, hook_id in placed:
             if hook_id in hooks:
-                held = taken.setdefault(id(hooks), (hooks, list(hooks.items()), set()))
-                held[2].add(hook_id)
+                held = taken.setdefault(id(hooks), (hooks, list(hooks.items()), {}))
+                held[2][hook_id] = hooks.pop(hook_id)
         forwards = [(m, f) for m, f in self.forwards.values() if m.__dict__.get("forward") is f]
-        for hooks, _, ids in taken.values():
-            for hook_id in ids:
-                del hooks[hook_id]
         for module, _ in forwards:
             del module.__dict__["forward"]
-        self.lifted = threading.get_ident()
         try:
             yield
         finally:
-            self.lifted = None
+            held_ids = {i for _, i in self.entered.values()} | {i for _, i in self.watched.values()} \
+                | {i for i in self.call_hooks if i is not None}
+            for hooks, before, lifted in taken.values():
+                _put_back(hooks, before, {k: v for k, v in lifted.items() if k in held_ids})
             for module, forward in forwards:
-                module.__dict__.setdefault("forward", forward)
-            for hooks, before, ids in taken.values():
-                now = dict(hooks)
-                order = [(k, now.get(k, v)) for k, v in before if k in now or k in ids]
-                order += [(k, v) for k, v in now.items() if k not in dict(before)]
-                hooks.clear()
-                hooks.update(order)
+                if self.forwards.get(_path_of(self.forwards, module)) == (module, forward):
+                    module.__dict__.setdefault("forward", forward)
+            self.lifted = None
+
+    def __getstate__(self) -> dict:
+        if self.lifted is not None:  # its model's hooks are off: a copy would keep none
+            raise RuntimeError("fastaf: a model cannot be copied or pickled while a generate with a compiled "
+                               "decoding step runs on it (its hooks are lifted until it ends); copy it before or after")
+        return super().__getstate__()
 
     def watch(self, model: nn.Module) -> None:
         """An always-called hook (``leave_module``) on each module some adapter's LoRA applies to,
@@ -600,6 +625,32 @@ class _Table:
 
 
 _REGISTRIES = _Table()
+
+
+_LIFTING = threading.Lock()  # a registry's ``lifted``: checked and set as one step
+
+
+def _put_back(hooks: dict, before: list, lifted: dict) -> None:
+    """Put the ``lifted`` hooks (id -> hook) back into ``hooks``, each right after the hook that
+    preceded it in ``before`` (the dict's items when they were lifted) and is still there, else
+    right before the one that followed it, else last; hooks added meanwhile keep their places
+    (``prepend=True`` ones first)."""
+    order = [k for k in hooks]
+    values = dict(hooks)
+    for at, (key, _) in enumerate(before):
+        if key not in lifted:
+            continue
+        after = next((k for k, _ in reversed(before[:at]) if k in values), None)
+        ahead = next((k for k, _ in before[at + 1:] if k in values), None)
+        order.insert(order.index(after) + 1 if after is not None else
+                     order.index(ahead) if ahead is not None else len(order), key)
+        values[key] = lifted[key]
+    hooks.clear()
+    hooks.update((k, values[k]) for k in order)
+
+
+def _path_of(held: dict, module: nn.Module) -> str | None:
+    return next((path for path, (m, _) in held.items() if m is module), None)
 
 
 def _keyed(registry: _Registry, key: str | None = None) -> None:
@@ -1101,20 +1152,23 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The model class's ``generate``. One whose decoding step compiles (a static cache, a
     ``compile_config``) runs as ``fastaf.generate`` with the active adapter does (its factors
     copied, in the weights' dtypes, into the static buffers the step's graph reads), this
-    registry's hooks lifted meanwhile: traced, they were a dozen guards per adapted layer that
-    dynamo checks before every step (16 layers of 7 adapted linears: twice ``fastaf.generate``'s
-    guard time). Meanwhile another thread's call of the model applies the adapter through the
-    model's forward (``_model_forward``); a submodule that thread calls alone runs without it.
-    (Bound by ``init`` on models with a ``generate``.)"""
+    registry's hooks lifted meanwhile (``_Registry.liftable``): traced, they were a dozen guards
+    per adapted layer that dynamo checks before every step (16 layers of 7 adapted linears: twice
+    ``fastaf.generate``'s guard time). Meanwhile another thread's call of the model applies the
+    adapter through the model's forward (``_model_forward``); a submodule that thread calls alone
+    runs without it. (Bound by ``init`` on models with a ``generate``.)"""
     registry = _registry(self)
-    if registry.lifted is not None or not compiles_decode_step(self, kwargs):
+    if not compiles_decode_step(self, kwargs):
         return type(self).generate(self, *args, **kwargs)
     drop_foreign_compiled_call(self)
-    if registry.active is None or adapting_calls(self):  # no adapter, or fastaf.generate's explicit one
+    explicit = adapting_calls(self)  # fastaf.generate runs: with its own adapter, or none (the active one)
+    if explicit is False or not registry.liftable(self):
+        return type(self).generate(self, *args, **kwargs)
+    if registry.active is None or explicit:
         with registry.hooks_lifted(self):
             return type(self).generate(self, *args, **kwargs)
-    adapter = registry.slot(registry.active).adapter(detach=True)  # (packed in the weights' dtypes)
-    with registry.hooks_lifted(self), adapted_decoding(self, adapter):
+    adapter = Adapter._unchecked({p.path: p.lora(detach=False) for p in registry.slot(registry.active).values()})
+    with registry.hooks_lifted(self), adapted_decoding(self, adapter):  # (packed in the weights' dtypes)
         return type(self).generate(self, *args, **kwargs)
 
 
@@ -1124,7 +1178,7 @@ def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.compiler.is_compiling() and registry.lifted not in (None, threading.get_ident()) \
             and registry.active is not None:
         # another thread's generate lifted the hooks: the active adapter applied around the call
-        adapter = registry.slot(registry.active).adapter(detach=not torch.is_grad_enabled())
+        adapter = Adapter._unchecked({p.path: p.lora(detach=False) for p in registry.slot(registry.active).values()})
         return scoped_call(self, adapter, lambda: _own_forward(self, registry.own_forward, args, kwargs))
     return _own_forward(self, registry.own_forward, args, kwargs)
 

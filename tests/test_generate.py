@@ -407,6 +407,17 @@ def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(m
         assert torch.equal(want[i, :one.shape[1]], one[0])
 
 
+def _one_layer_stateful():
+    """(a 1-layer tiny Llama, a batch of ids, an adapter on q/v, a stateful copy with it active)."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", adapter)
+    model.set_active_adapter("a")
+    return base, ids, adapter, model
+
+
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
     base = tiny_llama().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
@@ -501,15 +512,80 @@ def test_the_stateful_generate_puts_every_hook_back_in_its_place_also_after_an_e
     assert torch.allclose(seen[0], want_seen[0], atol=1e-5)  # the user's hook sees the adapted output
 
 
-def test_another_threads_call_of_the_model_during_a_stateful_compiled_generate_gets_the_adapter():
-    """Meanwhile the hooks are lifted: another thread's call of the model applies the active
-    adapter through the model's forward."""
+def test_an_activation_during_a_stateful_compiled_generate_leaves_the_new_adapters_hooks_alone():
+    """``set_active_adapter`` inside the generate (a logits processor): the generate goes on with
+    the adapter it started with; after it, only the new adapter's hooks and forwards are on the
+    model, and a call runs the new adapter."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    a, b = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1), random_adapter(base, ["k_proj"], r=4, seed=2)
+    model = fa.init(copy.deepcopy(base))
+    model.add_new_adapter("a", a)
+    model.add_new_adapter("b", b)
+    model.set_active_adapter("a")
+
+    def switch(input_ids, scores):
+        if model.active_adapter == "a":
+            model.set_active_adapter("b")
+        return scores
+    torch._dynamo.reset()
+    model.generate(ids, **NEW, **_static(), logits_processor=[switch])
+    attn = model.model.layers[0].self_attn
+    assert not attn.q_proj._forward_pre_hooks and "forward" not in attn.q_proj.__dict__
+    assert len(attn.k_proj._forward_pre_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    x = ids[:1, :4]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, fa.functional_call(base, b, (x,)).logits)
+
+
+def test_fa_generate_of_an_inited_model_without_an_adapter_applies_the_active_one_compiled():
+    base, ids, adapter, model = _one_layer_stateful()
+    want = fa.generate(base, adapter, ids, **NEW)
+    torch._dynamo.reset()
+    assert torch.equal(fa.generate(model, None, ids, **NEW), want)
+    assert torch.equal(fa.generate(model, None, ids, **NEW, **_static()), want)
+
+
+def test_a_model_with_gradient_checkpointing_on_decodes_compiled_in_eval_mode():
+    """Checkpointing runs in training only: in eval a compiled decoding step adapts every layer
+    (``fa.generate``'s decoded other tokens, silently)."""
     base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     adapter = random_adapter(base, ["q_proj", "v_proj"], r=4, seed=1)
-    model = fa.init(copy.deepcopy(base))
-    model.add_new_adapter("a", adapter)
-    model.set_active_adapter("a")
+    want = fa.generate(base, adapter, ids, **NEW)
+    checkpointed = copy.deepcopy(base)
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.eval()
+    torch._dynamo.reset()
+    assert torch.equal(fa.generate(checkpointed, adapter, ids, **NEW, **_static()), want)
+    stateful = fa.init(copy.deepcopy(checkpointed))
+    stateful.add_new_adapter("a", adapter)
+    stateful.set_active_adapter("a")
+    assert torch.equal(stateful.generate(ids, **NEW, **_static()), want)
+
+
+def test_a_stateful_model_refuses_a_copy_while_its_compiled_generate_runs():
+    """Its hooks are lifted meanwhile: a copy would keep none. Refused, and the model runs on."""
+    base, ids, adapter, model = _one_layer_stateful()
+    caught = []
+
+    def copy_it(input_ids, scores):
+        if not caught:
+            with pytest.raises(RuntimeError, match="cannot be copied or pickled while a generate") as error:
+                copy.deepcopy(model)
+            caught.append(error)
+        return scores
+    torch._dynamo.reset()
+    got = model.generate(ids, **NEW, **_static(), logits_processor=[copy_it])
+    assert caught and torch.equal(got, fa.generate(base, adapter, ids, **NEW))
+    twin = copy.deepcopy(model)  # after it, as ever
+    assert torch.equal(twin.generate(ids, **NEW), got)
+
+
+def test_another_threads_call_of_the_model_during_a_stateful_compiled_generate_gets_the_adapter():
+    """Meanwhile the hooks are lifted: another thread's call of the model applies the active
+    adapter through the model's forward."""
+    base, ids, adapter, model = _one_layer_stateful()
     x = ids[:1, :5]
     with torch.no_grad():
         want = fa.functional_call(base, adapter, (x,)).logits

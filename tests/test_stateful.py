@@ -1114,3 +1114,18 @@ def test_a_compiled_inference_call_runs_each_linear_with_its_lora_without_a_mode
     added.clear()
     torch.testing.assert_close(step(ids), want, rtol=1e-5, atol=1e-6)  # grad on: a new graph, the op path
     assert not added
+
+
+def test_lifted_hooks_go_back_after_the_hook_that_preceded_them_and_others_keep_their_places():
+    """``_put_back``: the hooks a compiled generate lifted return each right after its old
+    predecessor still there (or first); hooks added meanwhile, prepended or appended, and hooks
+    removed meanwhile, stay as they are."""
+    from fastaf._stateful import _put_back
+
+    before = [(1, "user-a"), (2, "fastaf-1"), (3, "user-b"), (4, "fastaf-2")]
+    hooks = {1: "user-a", 3: "user-b"}  # fastaf's lifted
+    hooks = {0: "prepended", **hooks, 5: "appended"}
+    del hooks[1]  # the user removed one meanwhile
+    _put_back(hooks, before, {2: "fastaf-1", 4: "fastaf-2"})
+    assert list(hooks.items()) == [(0, "prepended"), (2, "fastaf-1"), (3, "user-b"), (4, "fastaf-2"),
+                                   (5, "appended")]

@@ -270,7 +270,7 @@ def scoped_call(
         # (its model-level property warns). Read from each module's __dict__: a getattr of a name a
         # module lacks is a guard that calls nn.Module.__getattr__ (which raises) at every call of
         # the graph, on every module of the model
-        if any(m.__dict__.get("gradient_checkpointing") is True for m in walked_modules(model).values()):
+        if any(m.__dict__.get("gradient_checkpointing") is True and m.training for m in walked_modules(model).values()):
             # dynamo traces a checkpointed layer as a subgraph of its own, where the mode is not
             # dispatched: the layers would run without the adapter, silently
             raise NotImplementedError(
