@@ -347,30 +347,33 @@ class _Registry(nn.Module):
                 raise RuntimeError("fastaf: another generate with a compiled decoding step runs on this model "
                                    "with its hooks lifted; one at a time per model")
             self.lifted = threading.get_ident()
-        placed = [(m._forward_pre_hooks, i) for m, i in self.entered.values()]
-        placed += [(m.__dict__[where], i) for m, i in self.watched.values()
-                   for where in ("_forward_hooks", "_forward_hooks_always_called")]
-        pre, post = self.call_hooks or (None, None)
-        placed += [(model._forward_pre_hooks, pre)] if pre is not None else []
-        placed += [(model.__dict__[where], post) for where in ("_forward_hooks", "_forward_hooks_always_called")
-                   if post is not None]
         taken: dict[int, tuple[dict, list, dict]] = {}  # id(hook dict) -> (it, its items before, id -> hook taken)
-        for hooks, hook_id in placed:
-            if hook_id in hooks:
-                held = taken.setdefault(id(hooks), (hooks, list(hooks.items()), {}))
-                held[2][hook_id] = hooks.pop(hook_id)
-        forwards = [(m, f) for m, f in self.forwards.values() if m.__dict__.get("forward") is f]
-        for module, _ in forwards:
-            del module.__dict__["forward"]
+        forwards: list[tuple[nn.Module, Any]] = []
         try:
+            placed = [(m._forward_pre_hooks, i) for m, i in self.entered.values()]
+            placed += [(m.__dict__[where], i) for m, i in self.watched.values()
+                       for where in ("_forward_hooks", "_forward_hooks_always_called")]
+            pre, post = self.call_hooks or (None, None)
+            placed += [(model._forward_pre_hooks, pre)] if pre is not None else []
+            placed += [(model.__dict__[where], post) for where in ("_forward_hooks", "_forward_hooks_always_called")
+                       if post is not None]
+            for hooks, hook_id in placed:
+                if hook_id in hooks:
+                    held = taken.setdefault(id(hooks), (hooks, list(hooks.items()), {}))
+                    held[2][hook_id] = hooks.pop(hook_id)
+            for module, forward in self.forwards.values():
+                if module.__dict__.get("forward") is forward:
+                    del module.__dict__["forward"]
+                    forwards.append((module, forward))
             yield
         finally:
             held_ids = {i for _, i in self.entered.values()} | {i for _, i in self.watched.values()} \
                 | {i for i in self.call_hooks if i is not None}
             for hooks, before, lifted in taken.values():
                 _put_back(hooks, before, {k: v for k, v in lifted.items() if k in held_ids})
+            kept = [f for _, f in self.forwards.values()]  # (an activation meanwhile set its own)
             for module, forward in forwards:
-                if self.forwards.get(_path_of(self.forwards, module)) == (module, forward):
+                if any(f is forward for f in kept):
                     module.__dict__.setdefault("forward", forward)
             self.lifted = None
 
@@ -647,10 +650,6 @@ def _put_back(hooks: dict, before: list, lifted: dict) -> None:
         values[key] = lifted[key]
     hooks.clear()
     hooks.update((k, values[k]) for k in order)
-
-
-def _path_of(held: dict, module: nn.Module) -> str | None:
-    return next((path for path, (m, _) in held.items() if m is module), None)
 
 
 def _keyed(registry: _Registry, key: str | None = None) -> None:
