@@ -63,6 +63,7 @@ def generate(
     adapter = combine(adapter)
     present = adapter is not None and len(adapter) > 0
     if compiles_decode_step(model, generate_kwargs):
+        refuse_checkpointing(model)
         drop_foreign_compiled_call(model)
         with adapted_decoding(model, adapter if present else None, ids):
             return run()
@@ -157,6 +158,20 @@ class _AdaptedForward:
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
 _lock = threading.Lock()  # installs and restores of the forwards
+
+
+def refuse_checkpointing(model: nn.Module) -> None:
+    """Raise, before anything runs, where a module of ``model`` checkpoints (transformers'
+    ``gradient_checkpointing``, on in training mode only): dynamo traces a checkpointed layer apart
+    from the adapter's mode, and a decoding step compiled there ran those layers without it."""
+    on = [path for path, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True and m.training]
+    if on:
+        raise NotImplementedError(
+            f"fastaf: {type(model).__name__} has gradient checkpointing on in training mode ({on[0] or 'the model'}"
+            f"{f' and {len(on) - 1} more' if len(on) > 1 else ''}), which a compiled decoding step cannot follow "
+            "(dynamo traces each checkpointed layer apart from the adapter): call model.eval() first (checkpointing "
+            "runs in training only), or generate without a static cache or compile_config"
+        )
 
 
 def drop_foreign_compiled_call(model: nn.Module) -> None:

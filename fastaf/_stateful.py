@@ -75,7 +75,8 @@ from torch import nn
 
 from . import _config
 from ._layouts import check_module, linear_spec
-from ._generate import adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call
+from ._generate import (adapted_decoding, adapting_calls, compiles_decode_step, drop_foreign_compiled_call,
+                        refuse_checkpointing)
 from .functional import Adapter, LoRA, LoRAConfig, adapter_mode, init_adapter
 from .intercept import (TRACED_FORWARDS, Groups, branch_output, check_lost, dequantized, explicit_mode_active,
                         link_siblings, module_mode, module_routes, packed_4bit, scoped_call)
@@ -319,13 +320,10 @@ class _Registry(nn.Module):
 
     def liftable(self, model: nn.Module) -> bool:
         """Whether a compiled ``generate`` may run with the hooks lifted, as ``fastaf.generate``
-        runs: no other generate has them lifted, no module checkpoints (in training: a compiled
-        step over ``functional_call`` cannot follow it), no quantized layer where this torch's
-        dynamo cannot trace its forward's removal (``TRACED_FORWARDS``), no FSDP2-sharded
-        factor. Else the hooks stay, and the compiled steps run them."""
+        runs: no other generate has them lifted, no quantized layer where this torch's dynamo
+        cannot trace its forward's removal (``TRACED_FORWARDS``), no FSDP2-sharded factor. Else
+        the hooks stay, and the compiled steps run them."""
         if self.lifted is not None:
-            return False
-        if any(m.__dict__.get("gradient_checkpointing") is True and m.training for m in model.modules()):
             return False
         if not TRACED_FORWARDS and any(_quantized(m) for m, _ in self.entered.values()):
             return False
@@ -636,8 +634,8 @@ _LIFTING = threading.Lock()  # a registry's ``lifted``: checked and set as one s
 def _put_back(hooks: dict, before: list, lifted: dict) -> None:
     """Put the ``lifted`` hooks (id -> hook) back into ``hooks``, each right after the hook that
     preceded it in ``before`` (the dict's items when they were lifted) and is still there, else
-    right before the one that followed it, else last; hooks added meanwhile keep their places
-    (``prepend=True`` ones first)."""
+    right before the one that followed it, else last (after hooks added meanwhile, which keep their
+    places: a ``prepend=True`` one first)."""
     order = [k for k in hooks]
     values = dict(hooks)
     for at, (key, _) in enumerate(before):
@@ -1159,6 +1157,10 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     registry = _registry(self)
     if not compiles_decode_step(self, kwargs):
         return type(self).generate(self, *args, **kwargs)
+    if registry.lifted not in (None, threading.get_ident()):  # its compiled steps would trace the other's
+        raise RuntimeError(f"fastaf: another thread's generate with a compiled decoding step runs on this "
+                           f"{type(self).__name__}; one at a time per model")
+    refuse_checkpointing(self)
     drop_foreign_compiled_call(self)
     explicit = adapting_calls(self)  # fastaf.generate runs: with its own adapter, or none (the active one)
     if explicit is False or not registry.liftable(self):

@@ -564,6 +564,44 @@ def test_a_model_with_gradient_checkpointing_on_decodes_compiled_in_eval_mode():
     assert torch.equal(stateful.generate(ids, **NEW, **_static()), want)
 
 
+def test_a_compiled_generate_of_a_model_checkpointing_in_training_is_refused_before_it_runs():
+    """Checkpointing runs in training: a compiled decoding step would trace those layers apart
+    from the adapter. Refused up front, the model left as it was, both entry points."""
+    base, ids, adapter, model = _one_layer_stateful()
+    plain = copy.deepcopy(base)
+    for checkpointed, run in ((plain, lambda: fa.generate(plain, adapter, ids, **NEW, **_static())),
+                              (model, lambda: model.generate(ids, **NEW, **_static()))):
+        checkpointed.gradient_checkpointing_enable()
+        checkpointed.train()
+        with pytest.raises(NotImplementedError, match="gradient checkpointing on in training mode.*model.eval"):
+            run()
+        assert "forward" not in plain.__dict__ and model.fastaf.lifted is None
+        checkpointed.eval()
+        assert torch.equal(run(), fa.generate(base, adapter, ids, **NEW))
+
+
+def test_a_second_threads_compiled_generate_on_the_same_stateful_model_is_refused():
+    """Its compiled steps would trace the first one's adapted forward: refused, one at a time."""
+    base, ids, adapter, model = _one_layer_stateful()
+    errors = []
+
+    def from_another_thread(input_ids, scores):
+        if not errors:
+            def second():
+                try:
+                    model.generate(ids, **NEW, **_static())
+                except RuntimeError as error:
+                    errors.append(error)
+            thread = threading.Thread(target=second)
+            thread.start()
+            thread.join()
+        return scores
+    torch._dynamo.reset()
+    got = model.generate(ids, **NEW, **_static(), logits_processor=[from_another_thread])
+    assert errors and "another thread's generate with a compiled decoding step" in str(errors[0])
+    assert torch.equal(got, fa.generate(base, adapter, ids, **NEW))
+
+
 def test_a_stateful_model_refuses_a_copy_while_its_compiled_generate_runs():
     """Its hooks are lifted meanwhile: a copy would keep none. Refused, and the model runs on."""
     base, ids, adapter, model = _one_layer_stateful()
