@@ -223,7 +223,7 @@ class _Registry(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("unkeyed", False)
         self.fastaf_holds_no_targets = True
-        self.lifted = None  # (a copy made while a generate ran: the copy's hooks are in place)
+        self.lifted = None
         key = self.__dict__.get("key", "")  # (none where the pickled hooks are bound to the registry)
         held = getattr(_REGISTRIES, key, None) if key else None
         if held is not None and held() is not None and held() is not self:
