@@ -24,8 +24,8 @@ providers may share a graph, whose CUDA graphs record again for the model that r
   off (a decoding step's adapted linear as cuBLAS's GEMM, then the LoRA: one Triton launch
   eagerly, shrink and expand compiled, instead of one launch for both), ``-cublas`` with
   ``eager_decode_kernel`` off too (the LoRA as cuBLAS's mm + addmm_), ``fastaf-static-unshared``
-  with ``group`` off (each sibling its own shrink launch), ``fastaf-mixed16-multi`` /
-  ``fastaf-mixed16-static-multi`` with ``decode_multi_linear`` ``always`` (two launches per adapted
+  and ``fastaf-mixed16-static-unshared`` with ``group`` off (each sibling its own shrink launch),
+  ``fastaf-mixed16-multi`` / ``fastaf-mixed16-static-multi`` with ``decode_multi_linear`` ``always`` (two launches per adapted
   linear with ids, the base GEMM in the LoRA's, compiled too), ``fastaf-mixed16-nomulti`` /
   ``fastaf-mixed16-static-nomulti`` with it ``never`` (cuBLAS's GEMM, the shrink and the expand,
   eager too); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
@@ -63,8 +63,8 @@ SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=F
             "-nomulti": dict(decode_multi_linear="never")}
 AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
       "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
-      "fastaf-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static", "fastaf-mixed16-multi",
-      "fastaf-mixed16-static-multi", "fastaf-mixed16-nomulti", "fastaf-mixed16-static-nomulti"]
+      "fastaf-static-unshared", "fastaf-mixed16-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static",
+      "fastaf-mixed16-multi", "fastaf-mixed16-static-multi", "fastaf-mixed16-nomulti", "fastaf-mixed16-static-nomulti"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2

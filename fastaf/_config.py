@@ -16,7 +16,7 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 |---|---|---|---|
 | ``carry`` | ``FASTAF_CARRY`` | on | eager calls: targeted weights carry the adapter (fewer Python frames per use); off: one ``TorchFunctionMode`` intercepts the whole call |
 | ``share_input`` | ``FASTAF_SHARE_INPUT`` | ``compiled`` | q/k/v and gate/up take h = x @ Aᵀ from one pass over x: ``compiled`` (under ``torch.compile``), ``always``, ``never`` |
-| ``group`` | ``FASTAF_GROUP`` | on | eager sibling projections run as one grouped launch where the kernels allow it; in a compiled decoding step they share one shrink launch |
+| ``group`` | ``FASTAF_GROUP`` | on | eager sibling projections run as one grouped launch where the kernels allow it; in a compiled decoding step they share one shrink launch (with a stack and ids too) |
 | ``below_grad`` | ``FASTAF_BELOW_GRAD`` | on | eager ``torch.func.grad`` runs the call below its one grad level, as plain autograd |
 | ``dispatch`` | ``FASTAF_DISPATCH`` | ``measured`` | the LoRA linear's CUDA path: ``measured`` (the tuning cache decides per shape), ``triton`` or ``addmm`` everywhere |
 | ``multi_fuse`` | ``FASTAF_MULTI_FUSE`` | ``measured`` | many adapters per batch: the base GEMM and the LoRA expand fused in one persistent GEMM from ``kernels.lora_multi.FUSE_MIN_ROWS`` rows (``measured``), wherever it can run (``fused``), or never (``unfused``) |

@@ -392,16 +392,24 @@ def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(m
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, name=name, kernel=kernel, **k:
                             launches.append((name, a[1 if name == "multi_add_" else 0].shape[0])) or kernel(*a, **k))
-    eager, traced = ("multi_linear" if mode in ("eager", "always") else "multi_add_",
-                     "multi_linear" if mode == "always" else "multi_add_")
+    shared = kernels.multi_shrink_shared  # the siblings' grouped shrink (one stack's goes through it too)
+    monkeypatch.setattr(kernels, "multi_shrink_shared", lambda x, stacks, *a, **k: (
+        len(stacks) > 1 and launches.append(("shared shrink", len(stacks)))) or shared(x, stacks, *a, **k))
+    eager = "multi_linear" if mode in ("eager", "always") else "multi_add_"
+    # compiled, q_proj and v_proj (siblings) take h from one grouped shrink, then an expand each,
+    # unless the GEMM runs in the LoRA's launch (always); down_proj alone
+    traced = [("multi_linear", 3)] * 2 if mode == "always" else [("shared shrink", 2)]
     torch._dynamo.reset()
-    for run, step in ((lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW), eager),
+    layers = len(model.model.layers)
+    for run, step in ((lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW), [(eager, 3)] * 2),
                       (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static()), traced)):
         launches.clear()
         with _config.override(decode_multi_linear=mode):
             assert torch.equal(run(), want)
         # the prefill's 24 rows (eager in both), then each decoding step's 3
-        assert launches == [(eager, 24)] * len(stack) + [(step, 3)] * len(stack) * (NEW["max_new_tokens"] - 1)
+        down = "multi_linear" if step is not traced or mode == "always" else "multi_add_"
+        down = eager if step is not traced else down
+        assert launches == [(eager, 24)] * 3 * layers + (step + [(down, 3)]) * layers * (NEW["max_new_tokens"] - 1)
     for i, alone in enumerate([adapters[1], None, adapters[0]]):
         one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
         assert torch.equal(want[i, :one.shape[1]], one[0])

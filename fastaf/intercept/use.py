@@ -19,7 +19,8 @@ from .. import _config
 from .._adapter import LoRA
 from ..ops import PLAIN_TYPES, check_rows, decoding, expanded_decode, linear_decodes, lora_branch, \
     lora_branch_multi, lora_decode_shrink, lora_linear_decode, lora_linear_given_h, lora_linear_multi, \
-    lora_multi_decode, multi_decoding, routed_lora_linear, shareable, shared_h_fanned, shares_decode, \
+    lora_multi_decode, lora_multi_decode_shrink, multi_decoding, multi_expanded_decode, multi_shares_decode, \
+    routed_lora_linear, shareable, shared_h_fanned, shares_decode, \
     transform_levels
 from ..ops.lora_dequant import Layout4bit, Packed4bit, dequantize, lora_linear_4bit
 
@@ -35,6 +36,11 @@ def call_op(mode: Any, route: Any, x: Tensor, weight: Tensor, bias: Tensor | Non
         ids = check_rows(mode.ids, x.shape[0], route.path, flattened=flattened)
         if multi_decoding(x, route.lora, mode.impl, route.module.training):
             return lora_multi_decode(x, weight, bias, route.lora, ids)
+        if route.siblings and _config.flags().group and mode.traced and not torch.is_grad_enabled():
+            # a compiled decoding step with ids: q/k/v (gate/up) take h from one grouped shrink
+            shared = _shared_decode(mode, route, x, weight, ids)
+            if shared is not None:
+                return multi_expanded_decode(x, weight, bias, *shared, route.lora, ids)
         return lora_linear_multi(x, weight, bias, route.lora, ids, training=route.module.training,
                                  impl=mode.impl, where=route.path)
     lora = route.lora
@@ -104,13 +110,17 @@ def _shared_h(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, Tensor | None, 
     return hs[0], tokens[0], weights[0]
 
 
-def _shared_decode(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, int] | None:
-    """``route``'s (partials, index) from one ``lora_decode_shrink`` launch over ``x`` shared with
-    its siblings, in a traced call with grad off, or None (it decodes alone). Held in the mode's
-    ``shared`` slot, as ``_shared_h``'s h: a write to x in place drops it (the mode's
-    ``__torch_function__``), and each sibling takes its slice once."""
+def _shared_decode(mode: Any, route: Any, x: Tensor, weight: Tensor | None = None,
+                   ids: Tensor | None = None) -> tuple[Tensor, int] | None:
+    """``route``'s (partials, index) from one shrink launch over ``x`` shared with its siblings, in
+    a traced call with grad off, or None (it decodes alone): ``lora_decode_shrink``, or with a
+    stack and ``ids`` (``weight`` the one this call computes with) ``lora_multi_decode_shrink``,
+    each row with its segment's slot. Held in the mode's ``shared`` slot, as ``_shared_h``'s h: a
+    write to x in place drops it (the mode's ``__torch_function__``), and each sibling takes its
+    slice once."""
+    tag = "decode" if ids is None else "multi-decode"
     slot = mode.shared
-    fresh = slot is not None and slot[4] == "decode" and route.path in slot[2] and route.path not in slot[3]
+    fresh = slot is not None and slot[4] == tag and route.path in slot[2] and route.path not in slot[3]
     if fresh and slot[0] is x:
         slot[3].add(route.path)
         return slot[2][route.path]
@@ -122,10 +132,16 @@ def _shared_decode(mode: Any, route: Any, x: Tensor) -> tuple[Tensor, int] | Non
     if any(r.module.training and r.lora.dropout for r in group):
         return None
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    if not shares_decode(x2, [r.lora for r in group], mode.impl):
-        return None
-    part = lora_decode_shrink(x2, [r.lora.A for r in group])
-    mode.shared = (x, 0, {r.path: (part, i) for i, r in enumerate(group)}, {route.path}, "decode")
+    loras = [r.lora for r in group]
+    if ids is None:
+        if not shares_decode(x2, loras, mode.impl):
+            return None
+        part = lora_decode_shrink(x2, [lo.A for lo in loras])
+    else:
+        if not multi_shares_decode(x2, [weight] + [r.weight for r in group[1:]], loras, mode.impl):
+            return None
+        part = lora_multi_decode_shrink(x2, [lo.A for lo in loras], ids.to(x.device, non_blocking=True).contiguous())
+    mode.shared = (x, 0, {r.path: (part, i) for i, r in enumerate(group)}, {route.path}, tag)
     return part, 0
 
 

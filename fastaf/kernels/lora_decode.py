@@ -72,7 +72,7 @@ SHRINK = launch_sites.LaunchSite(_decode_shrink_kernel, 6, 10)  # pointers, ints
 EXPAND = launch_sites.LaunchSite(_decode_expand_kernel, 4, 9)
 FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
 LINEAR = launch_sites.LaunchSite(_decode_linear_kernel, 6, 14)
-MULTI_SHRINK = launch_sites.LaunchSite(_multi_decode_shrink_kernel, 4, 9)
+MULTI_SHRINK = launch_sites.LaunchSite(_multi_decode_shrink_kernel, 7, 12)
 MULTI_LINEAR = launch_sites.LaunchSite(_multi_decode_linear_kernel, 7, 15)
 MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
@@ -301,15 +301,16 @@ def multi_supported(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: t
             and a.dtype in _DTYPES and b.dtype in _DTYPES and a.shape[1] <= MAX_RANK)
 
 
-def _multi_shrink_plan(x: torch.Tensor, n: int, rank: int) -> tuple:
-    """(grid, meta, key) of ``multi_shrink`` for x (M, K) and a stack of ``n`` slots, memoized."""
+def _multi_shrink_plan(x: torch.Tensor, n: int, rank: int, siblings: int = 1) -> tuple:
+    """(grid, meta, key) of ``multi_shrink`` for x (M, K) and ``siblings`` stacks of ``n`` slots,
+    memoized."""
     M, K = x.shape
-    memo = ("multi-shrink", x.device, x.dtype, M, K, n, rank)
+    memo = ("multi-shrink", x.device, x.dtype, M, K, n, rank, siblings)
     plan = _plans.get(memo)
     if plan is None:
         conf = CUDA_CONFIG if x.is_cuda else INTERPRET_CONFIG
         split = max(1, -(-K // conf["K_PER_SPLIT"]))
-        plan = _plans[memo] = ((n, split), *_meta(
+        plan = _plans[memo] = ((n, split, siblings), *_meta(
             R_PAD=padded_rank(rank), BLOCK_M=padded_rank(M), BLOCK_K=conf["BLOCK_K"], SPLIT_K=split,
             DOT_PRECISION=_dot_precision(x.dtype), num_warps=conf["num_warps"], num_stages=conf["num_stages"]))
     return plan
@@ -339,10 +340,36 @@ def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, plan: tupl
     buffer). x (M, K) as in ``multi_linear``, a (n, R, K); ``plan``: its (grid, meta, key) from
     ``_multi_shrink_plan``, where the caller has it. Returns fp32 (SPLIT_K, M, R_PAD), summed over its
     first dim by the reader; rows of -1 segments are left unwritten."""
-    (M, K), (n, R) = x.shape, a.shape[:2]
-    grid, meta, key = plan if plan is not None else _multi_shrink_plan(x, n, R)
-    part = torch.empty((meta["SPLIT_K"], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
-    MULTI_SHRINK(grid, (x, a, ids, part, M, K, R, M // ids.shape[0], x.stride(0), x.stride(1), *a.stride()), meta, key)
+    return multi_shrink_shared(x, [a], ids, plan)[0]
+
+
+def multi_part_shape(x: torch.Tensor, rank: int, n: int) -> tuple[int, int, int, int]:
+    """``multi_shrink_shared``'s output shape for x (M, K) and ``n`` stacks of at most ``rank``."""
+    grid, meta, _ = _multi_shrink_plan(x, 1, rank, n)
+    return n, grid[1], x.shape[0], meta["R_PAD"]
+
+
+def multi_shares(stacks: list[torch.Tensor]) -> bool:
+    """One ``multi_shrink_shared`` launch can read these siblings' stacks (at most MAX_SIBLINGS):
+    one dtype, one slot count, one K and the same strides (the kernel takes one set)."""
+    a = stacks[0]
+    return len(stacks) <= MAX_SIBLINGS and all(
+        s.dtype == a.dtype and s.shape[0] == a.shape[0] and s.shape[2] == a.shape[2] and s.stride() == a.stride()
+        and s.shape[1] <= MAX_RANK for s in stacks)
+
+
+def multi_shrink_shared(x: torch.Tensor, stacks: list[torch.Tensor], ids: torch.Tensor,
+                        plan: tuple | None = None) -> torch.Tensor:
+    """``multi_shrink`` of siblings over one x (q/k/v, gate/up) in one launch: stacks, 1 to
+    MAX_SIBLINGS A's (n, R_i, K) that ``multi_shares`` takes. Returns fp32 (len(stacks), SPLIT_K,
+    M, R_PAD): sibling i's partials are ``[i]``."""
+    (M, K), (n, _) = x.shape, stacks[0].shape[:2]
+    rank = max(a.shape[1] for a in stacks)
+    grid, meta, key = plan if plan is not None else _multi_shrink_plan(x, n, rank, len(stacks))
+    part = torch.empty((len(stacks), meta["SPLIT_K"], M, meta["R_PAD"]), device=x.device, dtype=torch.float32)
+    ptrs = (stacks + [stacks[0]] * MAX_SIBLINGS)[:MAX_SIBLINGS]
+    MULTI_SHRINK(grid, (x, *ptrs, ids, part, M, K, *[a.shape[1] for a in ptrs], M // ids.shape[0], x.stride(0),
+                        x.stride(1), *stacks[0].stride()), meta, key)
     return part
 
 

@@ -43,6 +43,23 @@ def _h_over(x_ptr, a_ptr, offs_m, mask_m, k_start, k_end, R, stride_xm, stride_x
 
 
 @triton.jit
+def _sibling(sib, a0_ptr, a1_ptr, a2_ptr, a3_ptr, R0, R1, R2, R3):
+    """Sibling ``sib``'s A pointer and rank, of the four a shrink launch takes."""
+    a_ptr = a0_ptr
+    R = R0
+    if sib == 1:
+        a_ptr = a1_ptr
+        R = R1
+    elif sib == 2:
+        a_ptr = a2_ptr
+        R = R2
+    elif sib == 3:
+        a_ptr = a3_ptr
+        R = R3
+    return a_ptr, R
+
+
+@triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's rows and columns of an (M, N) output, the grid's N tiles first, and their masks."""
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,17 +121,7 @@ def _decode_shrink_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     sib = tl.program_id(2)
-    a_ptr = a0_ptr
-    R = R0
-    if sib == 1:
-        a_ptr = a1_ptr
-        R = R1
-    elif sib == 2:
-        a_ptr = a2_ptr
-        R = R2
-    elif sib == 3:
-        a_ptr = a3_ptr
-        R = R3
+    a_ptr, R = _sibling(sib, a0_ptr, a1_ptr, a2_ptr, a3_ptr, R0, R1, R2, R3)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R_PAD)
     mask_m = offs_m < M
@@ -214,23 +221,27 @@ def _decode_linear_kernel(
 
 @triton.jit
 def _multi_decode_shrink_kernel(
-    # pointers: x, the stacked A (n, R, K), one id per segment of S rows, the partials
-    x_ptr, a_ptr, ids_ptr, part_ptr,
-    # sizes
-    M, K, R, S,
-    # strides (part is contiguous fp32 (SPLIT_K, M, R_PAD))
+    # pointers: x, up to four siblings' stacked A (n, R_i, K; unused ones repeat a0), one id per
+    # segment of S rows, the partials
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ids_ptr, part_ptr,
+    # sizes: each sibling's rank
+    M, K, R0, R1, R2, R3, S,
+    # strides (every stack has the same; part is contiguous fp32 (siblings, SPLIT_K, M, R_PAD))
     stride_xm, stride_xk, stride_ag, stride_ar, stride_ak,
     # meta
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """part[split, rows of slot g] = x[rows, chunk] @ A[g][:, chunk].T, the grid (slot, split).
+    """part[sib, split, rows of slot g] = x[rows, chunk] @ A_sib[g][:, chunk].T, the grid (slot,
+    split, sibling): siblings over one x (q/k/v, gate/up) in one launch.
 
     Each slot's factors are read once, by its own programs, for every row that takes it (row m's
     slot is ids[m // S]); a program whose slot no row takes does nothing. Rows of slot -1 are not
     written: the readers (``_multi_decode_linear_kernel``, the grouped expand) skip them."""
     g = tl.program_id(0)
     pid_k = tl.program_id(1)
+    sib = tl.program_id(2)
+    a_ptr, R = _sibling(sib, a0_ptr, a1_ptr, a2_ptr, a3_ptr, R0, R1, R2, R3)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R_PAD)
     slot = tl.load(ids_ptr + offs_m // S, mask=offs_m < M, other=-1)
@@ -240,7 +251,8 @@ def _multi_decode_shrink_kernel(
         acc = _h_over(x_ptr, a_ptr + g.to(tl.int64) * stride_ag, offs_m, mine, pid_k * chunk,
                       tl.minimum(pid_k * chunk + chunk, K), R, stride_xm, stride_xk, stride_ar, stride_ak, R_PAD,
                       BLOCK_M, BLOCK_K, DOT_PRECISION)
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * R_PAD + offs_r[None, :], acc, mask=mine[:, None])
+        rows = (sib * SPLIT_K + pid_k) * M + offs_m
+        tl.store(part_ptr + rows[:, None] * R_PAD + offs_r[None, :], acc, mask=mine[:, None])
 
 
 @triton.jit

@@ -14,7 +14,8 @@ from ._levels import (GRAD, PLAIN_TYPES, allow_single_level, bottom, current_lev
 from .lora_branch import lora_branch, lora_branch_multi
 from .lora_group import group_fits, group_kernels_apply, lora_group
 from .lora_decode import (DECODE_ROWS, decoding, expanded_decode, linear_decodes, linear_rows, lora_decode_shrink,
-                          lora_linear_decode, lora_multi_decode, multi_decoding, shares_decode, traced_decode)
+                          lora_linear_decode, lora_multi_decode, lora_multi_decode_shrink, multi_decoding,
+                          multi_expanded_decode, multi_shares_decode, shares_decode, traced_decode)
 from .lora_linear import IMPLS, check_use, lora_linear, routed_lora_linear
 from .lora_multi import check_rows, lora_linear_multi, refuse_ids_under_vmap
 from .lora_siblings import lora_linear_given_h, shareable, shared_h_fanned

@@ -14,7 +14,8 @@ launches' fixed GPU latency: up to ``DECODE_ROWS`` rows of a 16-bit input it is 
 (``fastaf::lora_decode_linear``, ``traced_decode``), else the LoRA is added to cuBLAS's GEMM with
 ``fastaf::lora_decode_add``, two Triton launches (``fastaf.kernels.lora_decode``) that read fp32
 master factors as they are (``added_lora``), or with siblings' shared shrink
-(``lora_decode_shrink``, ``lora_decode_expand``). The ``decode_linear`` and ``decode_kernel``
+(``lora_decode_shrink``, ``lora_decode_expand``; with ids ``lora_multi_decode_shrink``,
+``lora_multi_decode_expanded``). The ``decode_linear`` and ``decode_kernel``
 flags (``fastaf._config``) switch those off, for benchmarks to time them side by side; on a CPU
 tensor (no Triton) the ops run the torch reference.
 
@@ -178,6 +179,63 @@ def _multi_linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], a: Ten
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def multi_part_shape(x: Tensor, stacks: list[Tensor]) -> tuple[int, int, int, int]:
+    """The shape of ``lora_multi_decode_shrink``'s partials for x (M, K) and siblings' stacks
+    (n, R_i, K): (siblings, splits of K, M, padded rank) where the kernels run, one split elsewhere."""
+    rank = max(a.shape[1] for a in stacks)
+    if _kernels().available(x):
+        return _kernels().multi_part_shape(x, rank, len(stacks))
+    return len(stacks), 1, x.shape[0], rank
+
+
+def _multi_shrink_impl(x: Tensor, stacks: list[Tensor], ids: Tensor) -> Tensor:
+    """Every sibling's partial h over x (M, K), each row with its segment's slot, in one launch
+    (``kernels.lora_decode.multi_shrink_shared``), or x @ A_i[g].T as one split in torch ops where
+    the kernels do not run. fp32 ``multi_part_shape``; rows of -1 segments are left as they are."""
+    if _kernels().available(x):
+        return _kernels().multi_shrink_shared(x, list(stacks), ids)
+    part = x.new_zeros(multi_part_shape(x, stacks), dtype=torch.float32)
+    slot = ids.repeat_interleave(x.shape[0] // ids.shape[0]).clamp(min=0)  # (M,)
+    for i, a in enumerate(stacks):
+        part[i, 0, :, :a.shape[1]] = torch.bmm(_as_dtype(a, x.dtype)[slot], x.unsqueeze(-1)).squeeze(-1).float()
+    return part
+
+
+lora_multi_decode_shrink = torch.library.custom_op("fastaf::lora_multi_decode_shrink",
+                                                   mutates_args=())(_multi_shrink_impl)
+
+
+@lora_multi_decode_shrink.register_fake
+def _multi_shrink_fake(x: Tensor, stacks: list[Tensor], ids: Tensor) -> Tensor:
+    return x.new_empty(multi_part_shape(x, stacks), dtype=torch.float32)
+
+
+def _multi_expanded_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Tensor, index: int, b: Tensor,
+                         ids: Tensor, scale: float) -> Tensor:
+    """x @ weight.T + bias + scale * h @ B[g].T per segment's slot g (-1 rows the base alone), h
+    sibling ``index``'s partials summed (``lora_multi_decode_shrink``): cuBLAS's GEMM, then the
+    grouped expand (``kernels.lora_multi.expand_``), or the same in torch ops. (M, N)."""
+    y = F.linear(x, weight, bias)  # (M, N)
+    if _kernels().available(x):
+        from ..kernels import lora_multi
+
+        return lora_multi.expand_(y, part[index], b.transpose(1, 2), ids, scale)
+    rows = ids.repeat_interleave(x.shape[0] // ids.shape[0])  # (M,)
+    h = part[index].sum(0)[:, :b.shape[2]].to(y.dtype)  # (M, R)
+    delta = torch.bmm(_as_dtype(b, y.dtype)[rows.clamp(min=0)], h.unsqueeze(-1)).squeeze(-1)  # (M, N)
+    return y + float(scale) * delta * (rows >= 0).to(y.dtype).unsqueeze(-1)
+
+
+lora_multi_decode_expanded = torch.library.custom_op("fastaf::lora_multi_decode_expanded",
+                                                     mutates_args=())(_multi_expanded_impl)
+
+
+@lora_multi_decode_expanded.register_fake
+def _multi_expanded_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Tensor, index: int, b: Tensor,
+                         ids: Tensor, scale: float) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ---- 3. functions ----------------------------------------------------------------------------
 
 
@@ -334,6 +392,28 @@ def expanded_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Ten
     the base GEMM, then one expand launch. x (..., K) -> (..., N)."""
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     y = lora_decode_expand(F.linear(x2, weight, bias), part, index, lora.B, float(lora.scale))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def multi_shares_decode(x: Tensor, weights: list[Tensor], loras: list[LoRA], impl: str) -> bool:
+    """Siblings with a stack and ids on x (M, K) (traced, grad off) can take their h from one
+    grouped shrink launch (``lora_multi_decode_shrink``): each takes the decode kernels
+    (``multi_decodes``) through cuBLAS's GEMM (``decode_multi_linear`` not ``always``), and one
+    launch reads their stacks (``kernels.lora_decode.multi_shares``)."""
+    if len(loras) < 2 or multi_fused(traced=True):
+        return False
+    if not all(multi_decodes(x, w, lo, impl) for w, lo in zip(weights, loras)):
+        return False
+    return _kernels().multi_shares([lo.A for lo in loras])
+
+
+def multi_expanded_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], part: Tensor, index: int, lora: LoRA,
+                          ids: Tensor) -> Tensor:
+    """A traced decoding call with ids given this sibling's partial h (``lora_multi_decode_shrink``,
+    ``index``): cuBLAS's GEMM, then one grouped expand. x (..., K) -> (..., N)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    ids = ids.to(x.device, non_blocking=True).contiguous()
+    y = lora_multi_decode_expanded(x2, weight, bias, part, index, lora.B, ids, float(lora.scale))
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

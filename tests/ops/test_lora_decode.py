@@ -182,6 +182,34 @@ def test_one_shrink_launch_serves_siblings_of_different_ranks_and_widths(M, fact
     assert not lora_decode.shares(sibs[0][1].A, [sibs[1][1].A.double()])
 
 
+@needs_interpreter
+@pytest.mark.parametrize("M,S", [(1, 1), (3, 1), (64, 1), (6, 2)])
+@pytest.mark.parametrize("factor_dtype", [torch.float16, torch.float32])
+def test_one_grouped_shrink_launch_serves_the_siblings_of_a_stack_with_ids(M, S, factor_dtype):
+    # q/k/v-like siblings' stacks (n, R, K) on one x, widths 40, 24, 24, rank 17 (past tl.dot's
+    # 16): each sibling's partials, summed by the grouped expand, give its formula per segment;
+    # ids with -1 (the base alone), repeats and a slot no row takes
+    from fastaf.kernels import lora_decode, lora_multi
+
+    g = torch.Generator().manual_seed(4)
+    K, R, n = 72, 17, 4
+    x = torch.randn(M, K, generator=g).half()
+    ids = torch.tensor([2, -1, 0, 2, 1, 0] * 11)[:M // S].int()
+    sibs = [(torch.randn(N, K, generator=g).half(), torch.randn(n, R, K, generator=g).to(factor_dtype),
+             (torch.randn(n, N, R, generator=g) * 0.5).to(factor_dtype)) for N in (40, 24, 24)]
+    stacks = [A for _, A, _ in sibs]
+    assert lora_decode.multi_shares(stacks)
+    part = lora_decode.multi_shrink_shared(x, stacks, ids)
+    assert part.shape[0] == 3 and part.shape[2:] == (M, 32)
+    for i, (w, A, B) in enumerate(sibs):
+        y = torch.nn.functional.linear(x, w)
+        lora_multi.expand_(y, part[i], B.transpose(1, 2), ids, 0.7)
+        assert_close(y, multi_ref(x, w, None, A, B, 0.7, ids), torch.float16)
+    assert not lora_decode.multi_shares([stacks[0], stacks[1][:, :5].contiguous()])  # another rank's strides
+    assert not lora_decode.multi_shares([stacks[0], stacks[1].double()])
+    assert not lora_decode.multi_shares(stacks * 2)  # past MAX_SIBLINGS
+
+
 @pytest.mark.parametrize("interpreted", [True, False])
 def test_the_shrink_and_expand_ops_trace_with_their_fakes(interpreted, monkeypatch):
     # the partials' shape is the kernels' (several splits of K) where they run, else one split
@@ -201,6 +229,33 @@ def test_the_shrink_and_expand_ops_trace_with_their_fakes(interpreted, monkeypat
     assert (splits > 1) == interpreted
     assert_close(y, ref(x, w, b, lo), torch.float32)
     assert_close(y2, ref(x, w2, None, lo2), torch.float32)
+
+
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_the_grouped_shrink_and_expanded_ops_trace_with_their_fakes(interpreted, monkeypatch):
+    # siblings with a stack and ids (-1 and repeats, segments of 2 rows): the kernels where they run
+    # (several splits of K), else torch ops (one split), under torch.compile with the fakes
+    if interpreted and not importlib.util.find_spec("triton"):
+        pytest.skip("needs triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    K, R, n = 72, 6, 3
+    x = torch.randn(6, K, generator=g).half()
+    ids = torch.tensor([2, -1, 0])
+    sibs = [(torch.randn(N, K, generator=g).half(), torch.randn(N, generator=g).half() if N == 24 else None,
+             torch.randn(n, R, K, generator=g).half(), (torch.randn(n, N, R, generator=g) * 0.5).half())
+            for N in (24, 16)]
+
+    def both(x, ids):
+        part = D.lora_multi_decode_shrink(x, [A for _, _, A, _ in sibs], ids)
+        return [D.lora_multi_decode_expanded(x, w, b, part, i, B, ids, 0.7) for i, (w, b, _, B) in enumerate(sibs)] \
+            + [part.shape[1]]
+
+    *ys, splits = torch.compile(both, backend="aot_eager", fullgraph=True)(x, ids)
+    assert (splits > 1) == interpreted
+    for y, (w, b, A, B) in zip(ys, sibs):
+        assert_close(y, multi_ref(x, w, b, A, B, 0.7, ids), torch.float16)
 
 
 @pytest.mark.parametrize("kernel", [True, False])
