@@ -105,8 +105,8 @@ class LoRAMode(TorchFunctionMode):
         # is held so its id is not reused
         self.views: dict[int, tuple[Route, Tensor]] = {}
         # the latest input shared by siblings: (x, x's version then, what each takes by path, the
-        # paths that took theirs, "h" (use._shared_h: h and a token) or "decode" (use._shared_decode:
-        # one shrink's partials and an index))
+        # paths that took theirs, "h" (use._shared_h: h and a token) or "decode" / "multi-decode"
+        # (use._shared_decode: one shrink's partials, with ids or not, and an index))
         self.shared: tuple[Tensor, int, dict[str, tuple], set[str], str] | None = None
         # the linear route whose module started last (its _WeightWatch hook's): _route tries it first.
         # In a block compiled inside an eager call, dynamo reaches it through the block's own

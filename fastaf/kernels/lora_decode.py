@@ -139,9 +139,11 @@ def _expand_plan(y: torch.Tensor, split: int, r_pad: int, config: dict | None) -
 
 
 def part_shape(x: torch.Tensor, rank: int, n: int) -> tuple[int, int, int, int]:
-    """``shrink``'s output shape for x (M, K) and ``n`` A's of at most ``rank``."""
-    grid, meta, _ = _shrink_plan(x, n, rank, None)
-    return n, grid[1], x.shape[0], meta["R_PAD"]
+    """``shrink``'s (and ``multi_shrink_shared``'s) output shape for x (M, K) and ``n`` A's (or
+    stacks) of at most ``rank``, as their plans size it. Not through a plan: traced with dynamic
+    shapes (a fake's call), M is a symbol, which a plan's memo key cannot hold."""
+    conf = CUDA_CONFIG if x.is_cuda else INTERPRET_CONFIG
+    return n, max(1, -(-x.shape[1] // conf["K_PER_SPLIT"])), x.shape[0], padded_rank(rank)
 
 
 def shrink(x: torch.Tensor, factors: list[torch.Tensor], config: dict | None = None) -> torch.Tensor:
@@ -341,12 +343,6 @@ def multi_shrink(x: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, plan: tupl
     ``_multi_shrink_plan``, where the caller has it. Returns fp32 (SPLIT_K, M, R_PAD), summed over its
     first dim by the reader; rows of -1 segments are left unwritten."""
     return multi_shrink_shared(x, [a], ids, plan)[0]
-
-
-def multi_part_shape(x: torch.Tensor, rank: int, n: int) -> tuple[int, int, int, int]:
-    """``multi_shrink_shared``'s output shape for x (M, K) and ``n`` stacks of at most ``rank``."""
-    grid, meta, _ = _multi_shrink_plan(x, 1, rank, n)
-    return n, grid[1], x.shape[0], meta["R_PAD"]
 
 
 def multi_shares(stacks: list[torch.Tensor]) -> bool:

@@ -184,7 +184,7 @@ def multi_part_shape(x: Tensor, stacks: list[Tensor]) -> tuple[int, int, int, in
     (n, R_i, K): (siblings, splits of K, M, padded rank) where the kernels run, one split elsewhere."""
     rank = max(a.shape[1] for a in stacks)
     if _kernels().available(x):
-        return _kernels().multi_part_shape(x, rank, len(stacks))
+        return _kernels().part_shape(x, rank, len(stacks))
     return len(stacks), 1, x.shape[0], rank
 
 

@@ -258,6 +258,26 @@ def test_the_grouped_shrink_and_expanded_ops_trace_with_their_fakes(interpreted,
         assert_close(y, multi_ref(x, w, b, A, B, 0.7, ids), torch.float16)
 
 
+@needs_interpreter
+def test_the_shrink_ops_trace_with_a_dynamic_batch():
+    # a second batch size makes the rows a symbol: the fakes size the partials without a plan
+    # (whose memo key cannot hold one); one adapter's siblings and a stack's with ids
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    K, R, n = 72, 6, 3
+    a1, a2 = torch.randn(R, K, generator=g).half(), torch.randn(R, K, generator=g).half()
+    stack = torch.randn(n, R, K, generator=g).half()
+
+    def shrinks(x, ids):
+        return D.lora_decode_shrink(x, [a1, a2]).sum(), D.lora_multi_decode_shrink(x, [stack, stack], ids).shape
+
+    compiled = torch.compile(shrinks, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows in (3, 5):
+        x, ids = torch.randn(rows, K, generator=g).half(), torch.zeros(rows, dtype=torch.long)
+        total, shape = compiled(x, ids)
+        assert shape[0] == 2 and shape[2] == rows and torch.isfinite(total)
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_the_reference_and_the_cublas_form_match_the_formula(kernel):
     # on CPU added_lora takes plain ops (and the op its reference), add_lora_rows mm + addmm_
