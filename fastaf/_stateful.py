@@ -369,9 +369,9 @@ class _Registry(nn.Module):
                 | {i for i in self.call_hooks if i is not None}
             for hooks, before, lifted in taken.values():
                 _put_back(hooks, before, {k: v for k, v in lifted.items() if k in held_ids})
-            kept = [f for _, f in self.forwards.values()]  # (an activation meanwhile set its own)
+            kept = {id(f) for _, f in self.forwards.values()}  # (an activation meanwhile set its own)
             for module, forward in forwards:
-                if any(f is forward for f in kept):
+                if id(forward) in kept:
                     module.__dict__.setdefault("forward", forward)
             self.lifted = None
 
@@ -636,6 +636,12 @@ def _put_back(hooks: dict, before: list, lifted: dict) -> None:
     preceded it in ``before`` (the dict's items when they were lifted) and is still there, else
     right before the one that followed it, else last (after hooks added meanwhile, which keep their
     places: a ``prepend=True`` one first)."""
+    if len(hooks) + len(lifted) == len(before) and all(k in lifted or k in hooks for k, _ in before):
+        # nothing added or removed meanwhile (every generate's case): the order lifted, in one pass
+        values = {**hooks, **lifted}
+        hooks.clear()
+        hooks.update((k, values[k]) for k, _ in before)
+        return
     order = [k for k in hooks]
     values = dict(hooks)
     for at, (key, _) in enumerate(before):

@@ -1129,3 +1129,15 @@ def test_lifted_hooks_go_back_after_the_hook_that_preceded_them_and_others_keep_
     _put_back(hooks, before, {2: "fastaf-1", 4: "fastaf-2"})
     assert list(hooks.items()) == [(0, "prepended"), (2, "fastaf-1"), (3, "user-b"), (4, "fastaf-2"),
                                    (5, "appended")]
+
+
+def test_lifted_hooks_go_back_in_their_order_when_nothing_changed_meanwhile():
+    from fastaf._stateful import _put_back
+
+    before = [(1, "fastaf-1"), (2, "user-a"), (3, "fastaf-2"), (4, "user-b")]
+    hooks = {2: "user-a", 4: "user-b"}
+    _put_back(hooks, before, {1: "fastaf-1", 3: "fastaf-2"})
+    assert list(hooks.items()) == before
+    hooks = {2: "user-a", 4: "user-b"}  # an activation meanwhile removed fastaf-2: it stays out
+    _put_back(hooks, before, {1: "fastaf-1"})
+    assert list(hooks.items()) == [(1, "fastaf-1"), (2, "user-a"), (4, "user-b")]
