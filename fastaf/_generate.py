@@ -153,9 +153,9 @@ class _AdaptedForward:
         if isinstance(adapter, Packed):  # traced, its LoRAs are views made inside the graph
             adapter = adapter.traced() if compiling else adapter.eager
         # an eager call (the prefill, a step dynamo left eager) carries the adapted weights, as
-        # functional_call does: under the mode every torch call of the model reached Python, and a
-        # 1B model's prefill of 32 x 128 tokens took 24 ms more than the base's, 9 with carriers
-        # (H200). A traced call takes the mode whatever ``carry`` says
+        # functional_call does: under the mode every torch call of the model reached Python (a 1B
+        # model's prefill of 32 x 128 tokens: 86k Python calls against 46k carried, cProfile on
+        # the H200). A traced call takes the mode whatever ``carry`` says
         return scoped_call(self.module, adapter, lambda: self.inner(*args, **kwargs), adapter_ids=self.ids,
                            carry=not compiling, warn_unused=False)
 

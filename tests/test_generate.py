@@ -81,8 +81,8 @@ def test_one_adapter_compiled_decode_equals_the_dynamic_path_and_peft_and_compil
 
 @pytest.mark.parametrize("via", ["fa.generate", "stateful"])
 def test_a_compiled_generates_eager_prefill_carries_the_weights_as_functional_call_does(via, monkeypatch):
-    # under the mode every torch call of the prefill reaches Python (a 1B model's prefill took
-    # 24 ms more than the base's on the H200); carried weights see only the adapted linears
+    # under the mode every torch call of the prefill reaches Python; carried weights see only
+    # the adapted linears
     from fastaf.intercept.mode import LoRAMode
 
     model = tiny_llama().eval().requires_grad_(False)
