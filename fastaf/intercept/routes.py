@@ -140,10 +140,32 @@ def walked_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``dict(model.named_modules())`` less the subtrees of the model's children that hold
     ``fastaf_holds_no_targets`` (the stateful layer's registry of factors, one module per adapted
     layer): no adapter targets a module there, and traced, each module walked is guards dynamo
-    checks at every call of the graph. (Read from the children's ``__dict__``: a guard each, C++.)"""
+    checks at every call of the graph. (Read from the children's ``__dict__``: a guard each, C++.)
+
+    Eagerly the walk is a plain recursion over ``_modules``, in ``named_modules``' order and with
+    its rule for a module reachable twice (the first path only): half its host time (~60 against
+    ~120 us for a 16-layer Llama on a CPU), at every ``functional_call``. Traced, it is
+    ``named_modules`` itself, whose guards dynamo knows."""
     skipped = {child for child in model._modules.values()
                if child is not None and child.__dict__.get("fastaf_holds_no_targets", False)}
-    return dict(model.named_modules(memo=skipped))
+    if torch.compiler.is_compiling():
+        return dict(model.named_modules(memo=skipped))
+    seen = {id(m) for m in skipped}
+    seen.add(id(model))
+    walked = {"": model}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module._modules.items():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = prefix + name
+            walked[path] = child
+            if child._modules:
+                visit(path + ".", child)
+
+    visit("", model)
+    return walked
 
 
 def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,

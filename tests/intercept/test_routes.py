@@ -86,6 +86,23 @@ def test_the_walk_skips_a_child_that_holds_no_targets_and_nothing_else():
     assert _routes.walked_modules(model) == dict(model.named_modules())
 
 
+def test_the_eager_walk_lists_what_named_modules_lists_in_its_order_and_so_does_the_traced_one():
+    """The eager walk is a recursion of its own: the same paths in the same order as
+    ``named_modules``, a module reachable twice (shared, a cycle back to the root, a registry
+    child's member) under its first path only, None children skipped; traced, the same dict."""
+    shared = nn.Linear(3, 3)
+    inner = nn.Sequential(nn.Linear(3, 3), shared)
+    model = nn.Sequential(shared, inner, nn.ModuleDict({"a": nn.ReLU(), "b": inner}))
+    model.add_module("empty", None)
+    inner.add_module("back", model)  # a cycle: named_modules' memo holds the root already
+    llama = tiny_llama(layers=2)
+    for m in (model, llama):
+        walked = _routes.walked_modules(m)
+        assert list(walked.items()) == list(m.named_modules()), m
+    traced = torch.compile(lambda: list(_routes.walked_modules(llama)), backend="eager", fullgraph=True)()
+    assert traced == list(dict(llama.named_modules()))
+
+
 def test_a_stateful_models_registry_is_not_walked_and_its_adapter_resolves_as_the_plain_models():
     base = tiny_llama(layers=1).requires_grad_(False)
     adapter = random_adapter(base, ["q_proj", "v_proj"], r=2, seed=1)
