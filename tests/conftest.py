@@ -2,6 +2,7 @@
 GPU tests skipped cleanly without CUDA, and every test seeded."""
 import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,12 @@ _group_op = importlib.import_module("fastaf.ops.lora_group")  # the module, not 
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+# under pytest-xdist (``make test`` runs a worker per core), each worker's torch keeps to its
+# share of the cores instead of each one using all of them
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
