@@ -6,9 +6,10 @@ Model: the Llama-3.2-1B shape (``bench/configs/llama-3.2-1b-shape.json``) with r
 32 prompts x 128 tokens, 64 greedy new tokens (no early stop); LoRA r=16 on q,k,v,o,gate,up,down
 with random factors. Each provider is the whole ``generate`` call, in seconds and tokens per
 second: every provider is checked and warmed up (which compiles, for the ``-static`` ones), then
-timed in ``--repeats`` rounds over all of them in a seeded random order, keeping its best (a
-``-static`` provider's timed call after an untimed one of its own: compiled steps of several
-providers may share a graph, whose CUDA graphs record again for the model that runs it next):
+timed in ``--repeats`` rounds over all of them in a seeded random order, keeping its best; the
+``-static`` providers, each a third of a second, get ``--static-repeats`` rounds (a ``-static``
+provider's timed call after an untimed one of its own: compiled steps of several providers may
+share a graph, whose CUDA graphs record again for the model that runs it next):
 - base: ``model.generate`` with the dynamic cache; base-static: ``cache_implementation="static"``
   (transformers compiles the decode step with CUDA graphs, ``mode="reduce-overhead"``).
 - peft / peft-static: a PEFT model with the same adapter.
@@ -193,6 +194,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 prompts x 16, 8 new tokens (a smoke test)")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.csv (default generate)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-ups; each provider's best is kept")
+    ap.add_argument("--static-repeats", type=int, default=8,
+                    help="timed rounds of the -static providers (the extra ones among themselves)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, one generate per provider under torch.profiler (its kernels' GPU time per "
                          "step) and one under cProfile (its Python functions' own time per step)")
@@ -252,8 +255,12 @@ def main() -> None:
     # the host's lands on all of them, not on the one timed last
     times = {name: [] for name in warmed}  # provider -> its rounds' seconds, printed: the host's drift shows
     order = random.Random(0)
-    for _ in range(args.repeats):
-        for name in order.sample(list(warmed), len(warmed)):
+    static = [name for name in warmed if name.endswith("-static")]
+    # every provider's rounds, then the -static ones' extra rounds among themselves: a compiled
+    # generate is a third of a second, and one provider's rounds spread by up to 25% (run 06b2)
+    rounds = [list(warmed)] * args.repeats + [static] * max(0, args.static_repeats - args.repeats)
+    for providers in rounds:
+        for name in order.sample(providers, len(providers)):
             if name.endswith("-static"):
                 # providers' compiled steps may share a graph (fa.generate's and the stateful layer's
                 # run one frame): the CUDA graphs recorded for the model that ran it last are recorded
