@@ -362,7 +362,11 @@ def lora_linear_multi(x: Tensor, weight: Tensor, bias: Tensor | None, lora: LoRA
             y = lora_multi_decode_linear(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale),
                                          multi_fused(traced=True))
             return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
-    if level >= 0:
+    if level == 0 and not torch.is_grad_enabled():
+        # eager inference (a prefill with ids): nothing to record, so no Function (its apply is
+        # host time at every adapted layer); the forward it would run, h dropped
+        y = _fwd_impl(*args)[0]
+    elif level >= 0:
         y = _apply_single_level(_multi_direct_apply, level, *args)
     else:
         y = _LoRAMultiFn_apply(*args)[0]

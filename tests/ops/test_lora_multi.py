@@ -371,6 +371,27 @@ def test_grouped_kernels_equal_the_reference_values_and_gradients(batch, seq):
 
 
 @needs_triton
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_grad_off_calls_skip_the_function_and_equal_the_recorded_ones(impl, monkeypatch):
+    """Eager inference with ids (a prefill's rows) runs the forward without the op's Function,
+    with the values of a call that records."""
+    from fastaf.ops import lora_linear_multi, lora_multi
+
+    x, w, bias, stack = _op_inputs(5, 30)  # 150 rows: past the decoding steps' path
+    tracked = fa.LoRA(stack.A.clone().requires_grad_(), stack.B.clone().requires_grad_(), stack.scale)
+    want = lora_linear_multi(x, w, bias, tracked, IDS, impl=impl)
+    assert want.grad_fn is not None  # recorded: through the Function
+
+    def refused(*args):
+        raise AssertionError("the Function ran for a call with grad off")
+
+    monkeypatch.setattr(lora_multi, "_multi_direct_apply", refused)
+    with torch.no_grad():
+        got = lora_linear_multi(x, w, bias, stack, IDS, impl=impl)
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+
+
+@needs_triton
 def test_vmap_over_a_stack_takes_the_grouped_kernels_and_equals_a_loop():
     x, w, bias, stack = _op_inputs(3, 6)
     f = lambda xi, lo: fa.functional.lora_linear(xi, w, bias, lo, impl="triton")
