@@ -138,6 +138,13 @@ class _AdaptedForward:
         self.thread: int | None = None
 
     @property
+    def fastaf_stands_in_for(self) -> Any:
+        """The forward this one runs: ``_layouts.compiled_class`` looks through it, so a module
+        whose own forward the user compiled counts as compiled, and an eager call of it (the
+        prefill) takes the mode, never weights that carry the adapter into dynamo's trace."""
+        return self.inner
+
+    @property
     def __signature__(self) -> inspect.Signature:
         """The forward's it stands in for: ``generate`` reads it to pick the inputs it prepares
         (``position_ids`` from the attention mask, which a left-padded batch needs where positions

@@ -244,8 +244,12 @@ def compiled_class(module: nn.Module) -> type | None:
         return None
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return type(module._orig_mod)
+    forward = own.get("forward")
+    # fastaf.generate's stand-in for the length of a generate (``_generate._AdaptedForward``): the
+    # forward it runs is the one compiled or not
+    forward = getattr(forward, "fastaf_stands_in_for", forward)
     compiled = any(getattr(f, "_torchdynamo_orig_callable", None) is not None
-                   for f in (own.get("forward"), getattr(inner, "own_forward", None)))
+                   for f in (forward, getattr(inner, "own_forward", None)))
     return type(module) if compiled else None
 
 

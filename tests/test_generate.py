@@ -779,6 +779,10 @@ def test_a_model_whose_forward_the_user_compiled_is_adapted_by_every_entry_point
     inited.set_active_adapter("a")
     inited.forward = torch.compile(inited.forward, backend="aot_eager")
     assert torch.equal(inited.generate(ids, **NEW), want_tokens)
+    # a compiled decoding step too: its eager prefill runs the user's compiled forward (dynamo
+    # failed on weights that carried the adapter into it)
+    assert torch.equal(fa.generate(compiled, adapter, ids, **NEW, **_static()), want_tokens)
+    assert torch.equal(inited.generate(ids, **NEW, **_static()), want_tokens)
 
 
 def test_a_compiled_generate_keeps_nothing_that_holds_the_model():
