@@ -148,24 +148,30 @@ def walked_modules(model: nn.Module) -> dict[str, nn.Module]:
     ``named_modules`` itself, whose guards dynamo knows."""
     skipped = {child for child in model._modules.values()
                if child is not None and child.__dict__.get("fastaf_holds_no_targets", False)}
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or type(model).named_modules is not _NAMED_MODULES:
         return dict(model.named_modules(memo=skipped))
-    seen = {id(m) for m in skipped}
-    seen.add(id(model))
+    seen = skipped | {model}  # modules, as named_modules' memo (their own __hash__ and __eq__)
     walked = {"": model}
+    own_walk = []  # a module whose class walks its children its own way
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module._modules.items():
-            if child is None or id(child) in seen:
+            if child is None or child in seen:
                 continue
-            seen.add(id(child))
+            if type(child).named_modules is not _NAMED_MODULES:
+                own_walk.append(child)
+                return
+            seen.add(child)
             path = prefix + name
             walked[path] = child
             if child._modules:
                 visit(path + ".", child)
 
     visit("", model)
-    return walked
+    return dict(model.named_modules(memo=skipped)) if own_walk else walked
+
+
+_NAMED_MODULES = nn.Module.named_modules
 
 
 def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tensor], *,

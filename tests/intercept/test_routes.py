@@ -89,14 +89,28 @@ def test_the_walk_skips_a_child_that_holds_no_targets_and_nothing_else():
 def test_the_eager_walk_lists_what_named_modules_lists_in_its_order_and_so_does_the_traced_one():
     """The eager walk is a recursion of its own: the same paths in the same order as
     ``named_modules``, a module reachable twice (shared, a cycle back to the root, a registry
-    child's member) under its first path only, None children skipped; traced, the same dict."""
+    child's member, one equal to another by its own ``__eq__``) under its first path only, None
+    children skipped, a class's own ``named_modules`` followed; traced, the same dict."""
     shared = nn.Linear(3, 3)
     inner = nn.Sequential(nn.Linear(3, 3), shared)
     model = nn.Sequential(shared, inner, nn.ModuleDict({"a": nn.ReLU(), "b": inner}))
     model.add_module("empty", None)
     inner.add_module("back", model)  # a cycle: named_modules' memo holds the root already
     llama = tiny_llama(layers=2)
-    for m in (model, llama):
+
+    class Hidden(nn.Sequential):  # a class that walks its children its own way: it hides them
+        def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+            if memo is None or self not in memo:
+                yield prefix, self
+
+    class Same(nn.Linear):  # equal by value: named_modules' memo keeps one of two equal modules
+        def __eq__(self, other):
+            return isinstance(other, Same)
+
+        __hash__ = lambda self: 0  # noqa: E731
+
+    odd = nn.Sequential(Same(2, 2), Same(2, 2), nn.Sequential(Hidden(nn.ReLU())))
+    for m in (model, llama, odd):
         walked = _routes.walked_modules(m)
         assert list(walked.items()) == list(m.named_modules()), m
     traced = torch.compile(lambda: list(_routes.walked_modules(llama)), backend="eager", fullgraph=True)()
