@@ -15,7 +15,7 @@ from torch import nn
 from ._adapter import Adapter, LoRA
 from ._layouts import check_module
 from ._packed import Packed, marked_static
-from .intercept import combine, scoped_call
+from .intercept import combine, explicit_mode_active, scoped_call
 
 
 def generate(
@@ -168,6 +168,39 @@ class _AdaptedForward:
 
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
+
+
+class _AdaptedFeatures:
+    """A multimodal model's feature encoder (``get_image_features``, ``_FEATURES``) for the length
+    of a ``fastaf.generate`` whose decode step compiles. transformers (5.24) runs it before the
+    decoding loop, outside the model's forward (``_prepare_multimodal_encoder_kwargs_for_generation``),
+    and the modules it runs (LLaVA's vision tower and projector) decoded without their LoRA:
+    silently, the base model's output. A call already inside the model's adapted forward (older
+    transformers run it there), traced, or from another thread runs the method as it is."""
+
+    def __init__(self) -> None:
+        self.method: Any = None  # the bound method it stands in for
+        self.model: Any = None
+        self.adapter: Any = None
+        self.ids: Any = None
+        self.thread: int | None = None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The method's: generate picks the keyword inputs it passes from its parameters."""
+        return inspect.signature(self.method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (torch.compiler.is_compiling() or threading.get_ident() != self.thread or explicit_mode_active()):
+            return self.method(*args, **kwargs)
+        adapter = self.adapter.eager if isinstance(self.adapter, Packed) else self.adapter
+        return scoped_call(self.model, adapter, lambda: self.method(*args, **kwargs), adapter_ids=self.ids,
+                           warn_unused=False)
+
+
+# the methods transformers' generate calls on ``model.base_model`` outside the model's forward
+_FEATURES = ("get_image_features", "get_video_features", "get_audio_features")
+_METHODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: its _AdaptedFeatures}
 _lock = threading.Lock()  # installs and restores of the forwards
 
 
@@ -226,7 +259,18 @@ def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
                 forward.module, forward.adapter, forward.ids = model, adapter, ids
                 forward.inner, forward.thread = (own if own is not None else module.forward), threading.get_ident()
                 module.__dict__["forward"] = forward  # no __setattr__: not a submodule
-                installed.append((module, own))
+                installed.append((module, "forward", own))
+            owner = getattr(model, "base_model", model)
+            for name in _FEATURES if adapter is not None and isinstance(owner, nn.Module) else ():
+                method = getattr(owner, name, None)
+                if not callable(method):
+                    continue
+                features = _METHODS.setdefault(owner, {}).setdefault(name, _AdaptedFeatures())
+                features.method, features.model, features.adapter, features.ids = method, model, adapter, ids
+                features.thread = threading.get_ident()
+                own = owner.__dict__.get(name)
+                owner.__dict__[name] = features
+                installed.append((owner, name, own))
         except BaseException:
             _restore(installed)
             raise
@@ -238,14 +282,18 @@ def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
 
 
 def _restore(installed: list) -> None:
-    """Put back the forwards ``_adapted_calls`` replaced, and let go of the model."""
-    for module, own in reversed(installed):
+    """Put back the forwards and methods ``_adapted_calls`` replaced, and let go of the model."""
+    for module, name, own in reversed(installed):
         if own is None:
-            module.__dict__.pop("forward", None)
+            module.__dict__.pop(name, None)
         else:
-            module.__dict__["forward"] = own
-        forward = _FORWARDS[module]  # held by nothing of the model's now: the model can go
-        forward.module = forward.adapter = forward.ids = forward.inner = forward.thread = None
+            module.__dict__[name] = own
+        if name == "forward":
+            forward = _FORWARDS[module]  # held by nothing of the model's now: the model can go
+            forward.module = forward.adapter = forward.ids = forward.inner = forward.thread = None
+        else:
+            features = _METHODS[module][name]
+            features.method = features.model = features.adapter = features.ids = features.thread = None
 
 
 # per model, the static copies of the last few adapter structures and id shapes it decoded with

@@ -738,6 +738,35 @@ def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_a_vision_language_model_decodes_compiled_with_its_vision_tower_adapted():
+    """transformers 5.24 runs LLaVA's vision tower and projector before the decoding loop, outside
+    the model's forward (``get_image_features``): under a compiled decode step their LoRA was
+    dropped without a word, every step the base model's."""
+    from tests._models import ARCHS as MODEL_ARCHS
+
+    make, targets, inputs = MODEL_ARCHS["llava"]
+    model = make().eval().requires_grad_(False)
+    adapter = random_adapter(model, targets, r=4, alpha=8.0)
+    vision = fa.Adapter({p: l for p, l in adapter.items() if "language_model" not in p})
+    batch = {k: v for k, v in inputs().items() if k != "labels"}
+    kw = dict(max_new_tokens=3, do_sample=False, num_beams=1, return_dict_in_generate=True, output_logits=True,
+              pad_token_id=0)
+    base = model.generate(**batch, **kw)
+    stateful = fa.init(copy.deepcopy(model))
+    stateful.add_new_adapter("a", vision)
+    stateful.set_active_adapter("a")
+    for each in (vision, adapter):
+        want = fa.generate(model, each, **batch, **kw)
+        runs = [fa.generate(model, each, **batch, **kw, **_static())]
+        if each is vision:
+            runs.append(stateful.generate(**batch, **kw, **_static()))
+        for got in runs:
+            for w, g, b in zip(want.logits, got.logits, base.logits):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                assert (w - b).abs().max() > 1e-3  # the vision tower's LoRA changes every step
+    assert not any(name in model.model.__dict__ for name in ("get_image_features", "forward"))
+
+
 def test_a_graph_compiled_for_another_instance_never_serves_an_adapted_model():
     """Dynamo does not guard module hooks: a decode step compiled for the plain model of the same
     class ran the stateful model without its adapter, silently. Both orders, both entry points."""
