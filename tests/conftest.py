@@ -22,7 +22,8 @@ if _ROOT not in sys.path:
 # share of the cores instead of each one using all of them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _cores // _WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
