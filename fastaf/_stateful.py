@@ -901,6 +901,14 @@ def _add_new_adapter(self: nn.Module, name: str, config: LoRAConfig | Adapter, *
         if seed is not None:
             raise TypeError(f"add_new_adapter({name!r}, ..., seed={seed!r}): seed seeds the initialisation of a "
                             "fastaf.LoRAConfig's factors; an Adapter brings its own: drop seed=")
+        stacked = next(((p, l) for p, l in config.items() if l.stacked), None)
+        if stacked is not None:
+            path, lora = stacked
+            raise ValueError(
+                f"add_new_adapter({name!r}, ...): {path} holds a stacked LoRA, A {tuple(lora.A.shape)} (fastaf.stack); "
+                "the stateful layer holds one adapter per name: add each of fastaf.unstack(adapter) under a name "
+                "of its own, or pass the stack with adapter_ids to fastaf.generate or fastaf.functional_call"
+            )
         _register(self, name, config, None)
     else:
         raise TypeError(

@@ -980,6 +980,18 @@ def test_seed_with_an_adapter_is_an_error():
     assert_adapters_equal(model.get_adapter("c"), ad)
 
 
+def test_a_stack_is_refused_by_name_and_its_slots_are_added_one_by_one():
+    base, model = inited()
+    slots = [random_adapter(base, ["k_proj"], seed=s) for s in (4, 5)]
+    with pytest.raises(ValueError, match=r"add_new_adapter\('s', \.\.\.\): model\.layers\.0\.self_attn\.k_proj holds a "
+                                         r"stacked LoRA, A \(2, \d+, \d+\) .*fastaf\.unstack\(adapter\)"):
+        model.add_new_adapter("s", fa.stack(slots))
+    assert list(model.fastaf.adapters) == ["a", "b"]  # nothing added
+    for i, slot in enumerate(fa.unstack(fa.stack(slots))):
+        model.add_new_adapter(f"s{i}", slot)
+        assert_adapters_equal(model.get_adapter(f"s{i}"), slots[i])
+
+
 def test_mixed_dropouts_at_save_name_their_modules(tmp_path):
     import dataclasses
 
