@@ -146,6 +146,11 @@ class _AdapterSlot(nn.ModuleDict):
     def adapter(self, *, detach: bool) -> Adapter:
         return Adapter({p.path: p.lora(detach=detach) for p in self.values()})
 
+    def held(self) -> Adapter:
+        """The slot's Parameters themselves as an Adapter, unchecked (they were when added): what
+        a compiled generate copies from, and another thread's call applies, as they are now."""
+        return Adapter._unchecked({p.path: p.lora(detach=False) for p in self.values()})
+
 
 class _Grouping:
     """The active adapter's routes, kept between calls so that the per-module modes can group
@@ -1182,8 +1187,8 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if registry.active is None or explicit:
         with registry.hooks_lifted(self):
             return type(self).generate(self, *args, **kwargs)
-    adapter = Adapter._unchecked({p.path: p.lora(detach=False) for p in registry.slot(registry.active).values()})
-    with registry.hooks_lifted(self), adapted_decoding(self, adapter):  # (packed in the weights' dtypes)
+    active = registry.slot(registry.active).held()  # (packed in the weights' dtypes by adapted_decoding)
+    with registry.hooks_lifted(self), adapted_decoding(self, active):
         return type(self).generate(self, *args, **kwargs)
 
 
@@ -1193,8 +1198,8 @@ def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.compiler.is_compiling() and registry.lifted not in (None, threading.get_ident()) \
             and registry.active is not None:
         # another thread's generate lifted the hooks: the active adapter applied around the call
-        adapter = Adapter._unchecked({p.path: p.lora(detach=False) for p in registry.slot(registry.active).values()})
-        return scoped_call(self, adapter, lambda: _own_forward(self, registry.own_forward, args, kwargs))
+        return scoped_call(self, registry.slot(registry.active).held(),
+                           lambda: _own_forward(self, registry.own_forward, args, kwargs))
     return _own_forward(self, registry.own_forward, args, kwargs)
 
 
