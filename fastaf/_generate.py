@@ -119,7 +119,28 @@ def _weight_dtype(model: nn.Module, path: str) -> torch.dtype | None:
     return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 
-class _AdaptedForward:
+class _StandIn:
+    """A callable set on a module's instance for the length of a ``fastaf.generate`` whose decode
+    step compiles, applying the generate's adapter around ``inner``: the model it adapts, the
+    adapter (a ``Packed`` static copy, or an Adapter) and ids, and the generating thread."""
+
+    def __init__(self) -> None:
+        self.module: Any = None  # the model whose routes the adapter takes
+        self.inner: Any = None  # what it stands in for
+        self.adapter: Any = None
+        self.ids: Any = None
+        self.thread: int | None = None
+
+    def hold(self, model: nn.Module, inner: Any, adapter: Any, ids: Any) -> None:
+        self.module, self.inner, self.adapter, self.ids = model, inner, adapter, ids
+        self.thread = threading.get_ident()
+
+    def release(self) -> None:
+        """Hold nothing of the model's: the model can go."""
+        self.module = self.inner = self.adapter = self.ids = self.thread = None
+
+
+class _AdaptedForward(_StandIn):
     """A module's ``forward`` for the length of a ``fastaf.generate`` whose decode step compiles:
     each call applies the adapter inside the call (``scoped_call``), so the compiled step's graph
     holds the LoRA ops and no mode outside it sees the graph's own calls again at run time.
@@ -127,15 +148,8 @@ class _AdaptedForward:
     One per module, kept (weakly) across calls and reading the adapter from its fields: a compiled
     step guards on the ``forward`` it traced, and a new one per call would compile a new graph.
     Only the thread running the generate gets the adapter: another thread's call of the model in
-    the meantime runs it as it was.
+    the meantime runs it as it was. (``inner``: the class's forward, or one set on the instance.)
     """
-
-    def __init__(self) -> None:
-        self.module: Any = None
-        self.inner: Any = None  # the forward it stands in for (the class's, or one set on the instance)
-        self.adapter: Any = None
-        self.ids: Any = None
-        self.thread: int | None = None
 
     @property
     def fastaf_stands_in_for(self) -> Any:
@@ -170,31 +184,25 @@ class _AdaptedForward:
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _AdaptedForward
 
 
-class _AdaptedFeatures:
+class _AdaptedFeatures(_StandIn):
     """A multimodal model's feature encoder (``get_image_features``, ``_FEATURES``) for the length
     of a ``fastaf.generate`` whose decode step compiles. transformers (5.24) runs it before the
     decoding loop, outside the model's forward (``_prepare_multimodal_encoder_kwargs_for_generation``),
     and the modules it runs (LLaVA's vision tower and projector) decoded without their LoRA:
     silently, the base model's output. A call already inside the model's adapted forward (older
-    transformers run it there), traced, or from another thread runs the method as it is."""
-
-    def __init__(self) -> None:
-        self.method: Any = None  # the bound method it stands in for
-        self.model: Any = None
-        self.adapter: Any = None
-        self.ids: Any = None
-        self.thread: int | None = None
+    transformers run it there), traced, or from another thread runs the method as it is.
+    (``inner``: the bound method.)"""
 
     @property
     def __signature__(self) -> inspect.Signature:
         """The method's: generate picks the keyword inputs it passes from its parameters."""
-        return inspect.signature(self.method)
+        return inspect.signature(self.inner)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if (torch.compiler.is_compiling() or threading.get_ident() != self.thread or explicit_mode_active()):
-            return self.method(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         adapter = self.adapter.eager if isinstance(self.adapter, Packed) else self.adapter
-        return scoped_call(self.model, adapter, lambda: self.method(*args, **kwargs), adapter_ids=self.ids,
+        return scoped_call(self.module, adapter, lambda: self.inner(*args, **kwargs), adapter_ids=self.ids,
                            warn_unused=False)
 
 
@@ -256,21 +264,19 @@ def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
                 if own is forward:
                     raise RuntimeError(f"fastaf.generate: a generate on {type(module).__name__} is already running "
                                        "with a compiled decode step; one at a time per model")
-                forward.module, forward.adapter, forward.ids = model, adapter, ids
-                forward.inner, forward.thread = (own if own is not None else module.forward), threading.get_ident()
+                forward.hold(model, own if own is not None else module.forward, adapter, ids)
                 module.__dict__["forward"] = forward  # no __setattr__: not a submodule
-                installed.append((module, "forward", own))
+                installed.append((module, "forward", own, forward))
             owner = getattr(model, "base_model", model)
             for name in _FEATURES if adapter is not None and isinstance(owner, nn.Module) else ():
                 method = getattr(owner, name, None)
                 if not callable(method):
                     continue
                 features = _METHODS.setdefault(owner, {}).setdefault(name, _AdaptedFeatures())
-                features.method, features.model, features.adapter, features.ids = method, model, adapter, ids
-                features.thread = threading.get_ident()
+                features.hold(model, method, adapter, ids)
                 own = owner.__dict__.get(name)
                 owner.__dict__[name] = features
-                installed.append((owner, name, own))
+                installed.append((owner, name, own, features))
         except BaseException:
             _restore(installed)
             raise
@@ -283,17 +289,12 @@ def _adapted_calls(model: nn.Module, adapter: Any, ids: Any) -> Iterator[None]:
 
 def _restore(installed: list) -> None:
     """Put back the forwards and methods ``_adapted_calls`` replaced, and let go of the model."""
-    for module, name, own in reversed(installed):
+    for module, name, own, stand_in in reversed(installed):
         if own is None:
             module.__dict__.pop(name, None)
         else:
             module.__dict__[name] = own
-        if name == "forward":
-            forward = _FORWARDS[module]  # held by nothing of the model's now: the model can go
-            forward.module = forward.adapter = forward.ids = forward.inner = forward.thread = None
-        else:
-            features = _METHODS[module][name]
-            features.method = features.model = features.adapter = features.ids = features.thread = None
+        stand_in.release()
 
 
 # per model, the static copies of the last few adapter structures and id shapes it decoded with
