@@ -29,8 +29,7 @@ share a graph, whose CUDA graphs record again for the model that runs it next):
   ``fastaf-mixed16-multi`` / ``fastaf-mixed16-static-multi`` with ``decode_multi_linear`` ``always`` (two launches per adapted
   linear with ids, the base GEMM in the LoRA's, compiled too), ``fastaf-mixed16-nomulti`` /
   ``fastaf-mixed16-static-nomulti`` with it ``never`` (cuBLAS's GEMM, the shrink and the expand,
-  eager too), ``fastaf-mixed16-twolaunch`` with ``decode_multi_one`` off (an eager step's shrink
-  in a launch of its own before the GEMM's, instead of one launch per adapted linear); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
+  eager too); ``fastaf-init-bf16`` / ``fastaf-init-bf16-static``: the stateful layer holding
   the adapter's factors in bf16 instead of fp32 masters.
 Before timing, each generate provider's prefill logits and its first decoding step's are checked
 against an fp32 reference (the adapters applied by ``fa.functional_call`` on an fp32 copy); greedy
@@ -62,12 +61,11 @@ FORWARD = ["fwd-base", "fwd-peft", "fwd-fastaf", "fwd-fastaf-init"]
 # the same providers under a switch, for A/Bs in one process: provider suffix -> flags
 SWITCHED = {"-split": dict(decode_linear=False), "-cublas": dict(decode_linear=False, eager_decode_kernel=False),
             "-unshared": dict(group=False), "-multi": dict(decode_multi_linear="always"),
-            "-nomulti": dict(decode_multi_linear="never"), "-twolaunch": dict(decode_multi_one=False)}
+            "-nomulti": dict(decode_multi_linear="never")}
 AB = ["fwd-fastaf-split", "fwd-fastaf-init-split", "fastaf-split", "fastaf-init-split", "fastaf-static-split",
       "fastaf-init-static-split", "fwd-fastaf-cublas", "fwd-fastaf-init-cublas", "fastaf-cublas", "fastaf-init-cublas",
       "fastaf-static-unshared", "fastaf-mixed16-static-unshared", "fastaf-init-bf16", "fastaf-init-bf16-static",
-      "fastaf-mixed16-multi", "fastaf-mixed16-static-multi", "fastaf-mixed16-nomulti", "fastaf-mixed16-static-nomulti",
-      "fastaf-mixed16-twolaunch"]
+      "fastaf-mixed16-multi", "fastaf-mixed16-static-multi", "fastaf-mixed16-nomulti", "fastaf-mixed16-static-nomulti"]
 CASE = ("model", "prompts", "prompt_len", "new_tokens", "r", "adapters")
 FIGURES = ("s", "tok_per_s", "ms", "max_rel_err")
 BF16_TOL = 0.05  # max |Δlogit| / max |logit| of the prefill against fp32: bf16 paths measured ~1e-2

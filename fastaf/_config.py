@@ -27,7 +27,6 @@ process can time both (``bench/e2e.py``'s provider suffixes) and tests can cover
 | ``eager_decode_kernel`` | ``FASTAF_EAGER_DECODE_KERNEL`` | on | an eager inference call's LoRA (at most 1024 rows on CUDA, grad off) as one Triton launch; off: cuBLAS's ``mm`` + ``addmm_`` |
 | ``decode_linear`` | ``FASTAF_DECODE_LINEAR`` | on | an inference call's adapted linear on a 16-bit CUDA tensor (grad off; eager: at most 512 rows, compiled: at most 64) as one Triton launch, its base GEMM included; off: cuBLAS's GEMM, then the LoRA (``eager_decode_kernel``, ``decode_kernel``) |
 | ``decode_multi_linear`` | ``FASTAF_DECODE_MULTI_LINEAR`` | ``eager`` | an inference call with a stack and per-row ids on a 16-bit CUDA tensor (grad off, at most 64 rows) computes the base GEMM in the LoRA's launch, each row's LoRA in its epilogue (two launches, the shrink grouped by slot first): in ``eager`` calls only, bound by host time per launch (H200: 16 adapters' eager generate 18% faster in runs f3fe and cc6c), ``always`` (slower compiled: its GEMM loses to cuBLAS's), or ``never`` (cuBLAS's GEMM, then the shrink and an expand) |
-| ``decode_multi_one`` | ``FASTAF_DECODE_MULTI_ONE`` | on | where an eager call computes the base GEMM in its LoRA's launch (``decode_multi_linear``), the shrink grouped by slot runs in that launch too: one launch per adapted linear, each program computing its rows' h; off: the shrink's launch, then the GEMM's |
 | ``dequant`` | ``FASTAF_DEQUANT`` | on | a training call of a bitsandbytes 4-bit layer under ``functional_call`` dequantizes its weight inside fastaf's fused op (``ops.lora_dequant``); off: the layer's own forward plus the LoRA as a branch |
 | ``dequant_kernel`` | ``FASTAF_DEQUANT_KERNEL`` | on | that dequantization as fastaf's one-launch Triton kernel on CUDA; off: bitsandbytes' ops (two launches under double quantization) |
 
@@ -68,7 +67,6 @@ class Flags:
     eager_decode_kernel: bool = True
     decode_linear: bool = True
     decode_multi_linear: str = "eager"
-    decode_multi_one: bool = True
     dequant: bool = True
     dequant_kernel: bool = True
 

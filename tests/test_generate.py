@@ -390,13 +390,12 @@ def test_compiled_decoding_runs_each_adapted_linear_in_one_launch(arch, monkeypa
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode,one", [("never", True), ("eager", True), ("eager", False), ("always", True)])
-def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(monkeypatch, mode, one):
+@pytest.mark.parametrize("mode", ["never", "eager", "always"])
+def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(monkeypatch, mode):
     """A CUDA decoding step with a stack and ids (16-bit, at most 64 rows) runs each adapted linear
     as cuBLAS's GEMM plus the shrink grouped by slot and the expand (``kernels.lora_decode.
     multi_add_``), or where ``decode_multi_linear`` says so (eager calls, or always) the shrink
-    and the GEMM with each row's LoRA in its epilogue (``multi_linear``), which eager calls run as
-    one launch with ``decode_multi_one`` (``multi_linear_one``), eager and compiled: the
+    and the GEMM with each row's LoRA in its epilogue (``multi_linear``), eager and compiled: the
     tokens are the op path's, and each row's are its adapter's alone. Here the kernels run
     interpreted on CPU (in fp32, where CUDA takes them for 16-bit inputs only)."""
     from fastaf import _config
@@ -419,14 +418,14 @@ def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(m
     monkeypatch.setattr(use, "multi_decoding", lambda x, lora, impl, training: not torch.is_grad_enabled()
                         and not torch.compiler.is_compiling())
     launches = []
-    for name in ("multi_linear", "multi_linear_one", "multi_add_"):
+    for name in ("multi_linear", "multi_add_"):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, name=name, kernel=kernel, **k:
                             launches.append((name, a[1 if name == "multi_add_" else 0].shape[0])) or kernel(*a, **k))
     shared = kernels.multi_shrink_shared  # the siblings' grouped shrink (one stack's goes through it too)
     monkeypatch.setattr(kernels, "multi_shrink_shared", lambda x, stacks, *a, **k: (
         len(stacks) > 1 and launches.append(("shared shrink", len(stacks)))) or shared(x, stacks, *a, **k))
-    eager = ("multi_linear_one" if one else "multi_linear") if mode in ("eager", "always") else "multi_add_"
+    eager = "multi_linear" if mode in ("eager", "always") else "multi_add_"
     # compiled, q_proj and v_proj (siblings) take h from one grouped shrink, then an expand each,
     # unless the GEMM runs in the LoRA's launch (always); down_proj alone
     traced = [("multi_linear", 3)] * 2 if mode == "always" else [("shared shrink", 2)]
@@ -435,7 +434,7 @@ def test_decoding_with_ids_runs_each_adapted_linear_through_the_decode_kernels(m
     for run, step in ((lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW), [(eager, 3)] * 2),
                       (lambda: fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static()), traced)):
         launches.clear()
-        with _config.override(decode_multi_linear=mode, decode_multi_one=one):
+        with _config.override(decode_multi_linear=mode):
             assert torch.equal(run(), want)
         # the prefill's 24 rows (eager in both), then each decoding step's 3
         down = "multi_linear" if step is not traced or mode == "always" else "multi_add_"

@@ -24,9 +24,7 @@ programs, partials without a zeroed buffer) and the grouped expand summing the p
 the base GEMM with each row's LoRA in its epilogue (``_multi_decode_linear_kernel``), slower on
 the GPU than cuBLAS's GEMM (H200, run f3fe: 2029 us a step for the 110 linears against about 930
 for cuBLAS's GEMMs) but one host launch fewer, which eager decoding is bound by
-(``decode_multi_linear``). ``multi_linear_one`` takes one launch in all, every program
-computing its rows' h slot by slot (``_multi_decode_one_kernel``): eager decoding with ids at the
-base model's one launch per linear (``decode_multi_one``).
+(``decode_multi_linear``).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.
@@ -38,8 +36,7 @@ import torch
 from . import launch_sites
 from .hardware import available
 from .lora_decode_kernels import (_decode_expand_kernel, _decode_fused_kernel, _decode_linear_kernel,
-                                  _decode_shrink_kernel, _multi_decode_linear_kernel, _multi_decode_one_kernel,
-                                  _multi_decode_shrink_kernel)
+                                  _decode_shrink_kernel, _multi_decode_linear_kernel, _multi_decode_shrink_kernel)
 from .lora_linear_configs import MAX_RANK
 from .lora_linear_plan import _MEMOS, _dot_precision, _meta, _tf32, padded_rank
 from .lora_multi import expand_
@@ -77,7 +74,6 @@ FUSED = launch_sites.LaunchSite(_decode_fused_kernel, 5, 14)
 LINEAR = launch_sites.LaunchSite(_decode_linear_kernel, 6, 14)
 MULTI_SHRINK = launch_sites.LaunchSite(_multi_decode_shrink_kernel, 7, 12)
 MULTI_LINEAR = launch_sites.LaunchSite(_multi_decode_linear_kernel, 7, 15)
-MULTI_ONE = launch_sites.LaunchSite(_multi_decode_one_kernel, 7, 18)
 MAX_SIBLINGS = 4  # A's one shrink launch reads (q/k/v and a wrongly guessed o_proj)
 _plans: dict[tuple, tuple] = {}
 _MEMOS.append(_plans)
@@ -407,33 +403,4 @@ def multi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     MULTI_LINEAR(l_grid, (x, weight, x if bias is None else bias, part, b, ids, out, M, N, K, R, S, n, x.stride(0),
                           x.stride(1), weight.stride(0), weight.stride(1), *b.stride(), out.stride(0),
                           out.stride(1), float(scale)), l_meta, l_key)
-    return out
-
-
-def _multi_one_plan(x: torch.Tensor, N: int, rank: int, bias: bool, config: dict | None) -> tuple:
-    """(grid, meta, key) of ``multi_linear_one`` for x (M, K) and N outputs, memoized: ``linear``'s
-    tiles (its rows in one block of at most MAX_ROWS)."""
-    M, K = x.shape
-    memo = ("multi-one", x.device, x.dtype, M, N, K, rank, bias, None if config is None else tuple(config.items()))
-    plan = _plans.get(memo)
-    if plan is None:
-        tiles = dict(LINEAR_INTERPRET_CONFIG if not x.is_cuda else linear_tiles(M, N), **(config or {}))
-        plan = _plans[memo] = ((-(-N // tiles["BLOCK_N"]), 1), *_meta(
-            HAS_BIAS=bias, R_PAD=padded_rank(rank), BLOCK_M=padded_rank(M), BLOCK_N=tiles["BLOCK_N"],
-            BLOCK_K=tiles["BLOCK_K"], DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles["num_warps"],
-            num_stages=tiles["num_stages"]))
-    return plan
-
-
-def multi_linear_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                     b: torch.Tensor, ids: torch.Tensor, scale: float, config: dict | None = None) -> torch.Tensor:
-    """``multi_linear`` in one launch (``_multi_decode_one_kernel``): each program computes its
-    rows' h for every slot they take, then its tile of the base GEMM with each row's LoRA. Same
-    arguments as ``multi_linear`` (``multi_supported``); (M, N) in x's dtype, new."""
-    (M, K), (n, N, R) = x.shape, b.shape
-    grid, meta, key = _multi_one_plan(x, N, R, bias is not None, config)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    MULTI_ONE(grid, (x, weight, x if bias is None else bias, a, b, ids, out, M, N, K, R, M // ids.shape[0], n,
-                     x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *a.stride(), *b.stride(),
-                     out.stride(0), out.stride(1), float(scale)), meta, key)
     return out

@@ -15,8 +15,6 @@ decoding: one launch per adapted linear, as the base model's).
 ``_multi_decode_shrink_kernel`` and ``_multi_decode_linear_kernel``: a stack with one slot per
 segment of rows (ids on the device, -1 the base alone): partial h per slot and split of K, then
 the base GEMM with each row's LoRA, one tensor-core dot per slot present, in its epilogue.
-``_multi_decode_one_kernel``: the same in one launch, each program computing its rows' h slot by
-slot (eager decoding with ids, bound by host time per launch).
 
 Why two launches: one kernel that computes the whole h in every program of the expand reads
 all of x and A per program, and at K = 8192 that is what it waits on: it lost to cuBLAS's
@@ -81,21 +79,6 @@ def _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, s
     wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                  mask=mask_n[None, :] & mask_k[:, None], other=0.0)
     return x, wt, offs_k, mask_k
-
-
-@triton.jit
-def _base_tile(x_ptr, w_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, K, stride_xm, stride_xk, stride_wn, stride_wk,
-               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """The base GEMM's tile x[rows] @ W[tile].T + bias[tile], fp32 (BLOCK_M, BLOCK_N)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, wt, _, _ = _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, stride_xk, stride_wn,
-                                 stride_wk, BLOCK_K)
-        acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    return acc
 
 
 @triton.jit
@@ -296,8 +279,13 @@ def _multi_decode_linear_kernel(
     dtype = out_ptr.dtype.element_ty
     offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
-    acc = _base_tile(x_ptr, w_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, K, stride_xm, stride_xk, stride_wn,
-                     stride_wk, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, wt, _, _ = _x_w_tiles(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, stride_xm, stride_xk, stride_wn,
+                                 stride_wk, BLOCK_K)
+        acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     slot = tl.load(ids_ptr + offs_m // S, mask=mask_m, other=-1)
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for s in range(SPLIT_K):
@@ -309,45 +297,6 @@ def _multi_decode_linear_kernel(
         if tl.max(rows.to(tl.int32), axis=0) > 0:
             up += _up(tl.where(rows[:, None], h, 0.0), b_ptr + g * stride_bg, offs_n, mask_n, R,
                       stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
-    out = acc.to(dtype).to(tl.float32) + scale * up
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
-             mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _multi_decode_one_kernel(
-    # pointers (bias_ptr unused without HAS_BIAS)
-    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, ids_ptr, out_ptr,
-    # sizes: rows, outputs, K, rank, rows per segment, slots
-    M, N, K, R, S, SLOTS,
-    # strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ag, stride_ar, stride_ak, stride_bg, stride_bn, stride_br,
-    stride_om, stride_on,
-    # scalars
-    scale,
-    # meta
-    HAS_BIAS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """out tile = x[rows] @ W[tile].T + bias[tile] + s * (x[rows] @ A[g].T) @ B[g][tile].T, g each
-    row's slot: ``_multi_decode_linear_kernel`` with the shrink inside, one launch per adapted
-    linear as the base model's (eager decoding with ids, bound by host time per launch). For each
-    slot some row of the block takes, the program computes those rows' h over all of K (their x
-    rows and the slot's A, from L2 after the first program) and adds h @ B[g][tile].T; rows of
-    slot -1 get the base alone. Every program re-reads the A of each slot present, which the
-    two-launch pair reads once: more GPU time, one host launch fewer."""
-    dtype = out_ptr.dtype.element_ty
-    offs_m, offs_n, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
-    acc = _base_tile(x_ptr, w_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, K, stride_xm, stride_xk, stride_wn,
-                     stride_wk, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-    slot = tl.load(ids_ptr + offs_m // S, mask=mask_m, other=-1)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, SLOTS):
-        rows = mask_m & (slot == g)
-        if tl.max(rows.to(tl.int32), axis=0) > 0:
-            h = _h_over(x_ptr, a_ptr + g * stride_ag, offs_m, rows, 0, K, R, stride_xm, stride_xk, stride_ar,
-                        stride_ak, R_PAD, BLOCK_M, BLOCK_K, DOT_PRECISION)
-            up += _up(h, b_ptr + g * stride_bg, offs_n, mask_n, R, stride_bn, stride_br, dtype, R_PAD, DOT_PRECISION)
     out = acc.to(dtype).to(tl.float32) + scale * up
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out.to(dtype),
              mask=mask_m[:, None] & mask_n[None, :])

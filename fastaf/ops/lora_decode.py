@@ -8,7 +8,7 @@ GEMM (``F.linear``) takes one launch and the LoRA added to its output another (`
 with per-row adapter ids (``lora_multi_decode``; traced, ``fastaf::lora_multi_decode_linear``) up
 to ``DECODE_ROWS`` rows cuBLAS's GEMM, a shrink grouped by slot and an expand, or with
 ``decode_multi_linear`` the shrink and the GEMM with each row's LoRA in its epilogue
-(``multi_decodes``, ``multi_fused``; eagerly one launch with ``decode_multi_one``), above that the grouped kernels' shrink and expand. A
+(``multi_decodes``, ``multi_fused``), above that the grouped kernels' shrink and expand. A
 traced one with grad off (a compiled decoding step, replayed from a CUDA graph) is bound by its
 launches' fixed GPU latency: up to ``DECODE_ROWS`` rows of a 16-bit input it is one launch too
 (``fastaf::lora_decode_linear``, ``traced_decode``), else the LoRA is added to cuBLAS's GEMM with
@@ -346,11 +346,7 @@ def lora_multi_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora: L
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
     ids = ids.to(x.device, non_blocking=True).contiguous()
     if multi_decodes(x2, weight, lora, "auto"):
-        fused = multi_fused(traced=False)
-        if fused and _config.flags().decode_multi_one:  # the shrink inside the GEMM's launch too
-            y = _kernels().multi_linear_one(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale))
-        else:
-            y = _multi_kernels(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), fused)
+        y = _multi_kernels(x2, weight, bias, lora.A, lora.B, ids, float(lora.scale), multi_fused(traced=False))
     else:
         from ..kernels import lora_multi
 

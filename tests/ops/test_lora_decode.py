@@ -98,10 +98,9 @@ def multi_ref(x, w, b, A, B, scale, ids):
 @pytest.mark.parametrize("M,S", [(1, 1), (3, 1), (64, 1), (6, 2)])
 @pytest.mark.parametrize("factor_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("kind", ["linear", "one", "add"])
-def test_the_decode_kernels_give_each_segment_its_slot_of_the_stack(M, S, factor_dtype, bias, kind):
-    # multi_linear (the GEMM with each row's LoRA in its epilogue), multi_linear_one (the same
-    # with each program's h computed slot by slot in its launch) and multi_add_ on cuBLAS's
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_decode_kernels_give_each_segment_its_slot_of_the_stack(M, S, factor_dtype, bias, fused):
+    # multi_linear (the GEMM with each row's LoRA in its epilogue) and multi_add_ on cuBLAS's
     # GEMM (the partials of the grouped shrink summed by the expand; nothing zeroed, the -1 rows'
     # partials never written); ids with -1 (the base alone) and repeats, a slot no row takes; K and
     # N off the interpreter's tiles, rank 17 past tl.dot's 16, transposed views as W and A
@@ -119,10 +118,8 @@ def test_the_decode_kernels_give_each_segment_its_slot_of_the_stack(M, S, factor
     ids = torch.tensor([2, -1, 0, 2, 1, 0] * 11)[:M // S].int()  # slot 3 unused
     assert lora_decode.multi_supported(x, w, A, B)
     w, A = w.T.contiguous().T, A.transpose(1, 2).contiguous().transpose(1, 2)
-    if kind == "linear":
+    if fused:
         y = lora_decode.multi_linear(x, w, b, A, B, ids, 0.7)
-    elif kind == "one":
-        y = lora_decode.multi_linear_one(x, w, b, A, B, ids, 0.7)
     else:
         y = F.linear(x, w, b)
         assert lora_decode.multi_add_(y, x, A, B, ids, 0.7) is y
@@ -390,10 +387,9 @@ def test_a_stack_decodes_examples_of_several_rows_with_one_id_each():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 32, 64])
 @pytest.mark.parametrize("factor_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mode,one", [("never", True), ("always", False), ("always", True)])
-def test_the_decode_kernels_of_a_stack_match_the_formula_on_cuda_in_bf16(M, factor_dtype, mode, one):
-    # eager (lora_multi_decode: cuBLAS's GEMM, the GEMM in the LoRA's launch after the shrink's,
-    # or all in one launch) and compiled (the registered op), 16 slots, rows cycling through
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_the_decode_kernels_of_a_stack_match_the_formula_on_cuda_in_bf16(M, factor_dtype, mode):
+    # eager (lora_multi_decode) and compiled (the registered op), 16 slots, rows cycling through
     # them with a -1 among them, at the 1B model's widths
     from fastaf.ops import lora_multi
 
@@ -406,7 +402,7 @@ def test_the_decode_kernels_of_a_stack_match_the_formula_on_cuda_in_bf16(M, fact
     ids = (torch.arange(M) % n).cuda()
     ids[M // 2] = -1
     lo = fa.LoRA(A, B, 0.7)
-    with torch.no_grad(), _config.override(decode_multi_linear=mode, decode_multi_one=one):
+    with torch.no_grad(), _config.override(decode_multi_linear=mode):  # cuBLAS's GEMM or the one in the LoRA's launch
         assert D.multi_decodes(x, w, lo, "auto")
         eager = D.lora_multi_decode(x, w, None, lo, ids)
         compiled = torch.compile(lambda x, ids: lora_multi.lora_linear_multi(x, w, None, lo, ids),
