@@ -24,7 +24,11 @@ programs, partials without a zeroed buffer) and the grouped expand summing the p
 the base GEMM with each row's LoRA in its epilogue (``_multi_decode_linear_kernel``), slower on
 the GPU than cuBLAS's GEMM (H200, run f3fe: 2029 us a step for the 110 linears against about 930
 for cuBLAS's GEMMs) but one host launch fewer, which eager decoding is bound by
-(``decode_multi_linear``).
+(``decode_multi_linear``). One launch in all (each program computing its rows' h slot by slot
+over all of K beside the GEMM) was measured and lost: 106-365 us of GPU a call against 14-33 for
+the pair, at 32 rows, 16 slots and the 1B widths (CUDA-graph replays, H200), so an eager step
+waited on the GPU instead of the host (16 adapters' eager generate 1.35 against 1.44 s for the
+pair in run 2259, 1.63 against 1.63 in run 1095: within the host's drift).
 
 Factors are read in their own dtype (fp32 masters are cast in registers), so a stateful model's
 fp32 parameters need no cast kernels in a compiled step. Kernels: ``lora_decode_kernels``.
