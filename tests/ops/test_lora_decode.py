@@ -410,3 +410,35 @@ def test_the_decode_kernels_of_a_stack_match_the_formula_on_cuda_in_bf16(M, fact
     want = multi_ref(x.cpu(), w.cpu(), None, A.cpu(), B.cpu(), 0.7, ids.cpu())
     for y in (eager, compiled):
         assert_close(y.cpu(), want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decoding_step_with_ids_on_the_device_never_waits_on_the_host():
+    # ids stay on the device: the eager decode kernels and the compiled op replayed from a CUDA
+    # graph (mode="reduce-overhead") read them there, so new ids of the same shape run with no
+    # host sync (torch's sync debug mode raises on one) and each row takes its new slot
+    from fastaf.ops import lora_multi
+
+    g = torch.Generator().manual_seed(5)
+    M, K, N, R, n = 32, 2048, 512, 16, 16
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(N, K, generator=g) * 0.02).bfloat16().cuda()
+    lo = fa.LoRA((torch.randn(n, R, K, generator=g) * 0.02).bfloat16().cuda(),
+                 (torch.randn(n, N, R, generator=g) * 0.02).bfloat16().cuda(), 0.7)
+    first = (torch.arange(M) % n).cuda()
+    then = ((torch.arange(M) * 7 + 3) % (n + 1) - 1).cuda()  # other slots, -1 among them
+    step = torch.compile(lambda x, ids: lora_multi.lora_linear_multi(x, w, None, lo, ids), mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):  # compile, warm up and record the graph
+            step(x, first), D.lora_multi_decode(x, w, None, lo, first)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = D.lora_multi_decode(x, w, None, lo, then)
+            compiled = step(x, then).clone()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    want = multi_ref(x.cpu(), w.cpu(), None, lo.A.cpu(), lo.B.cpu(), 0.7, then.cpu())
+    for y in (eager, compiled):
+        assert_close(y.cpu(), want, torch.bfloat16)
