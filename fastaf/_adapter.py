@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
 import optree
@@ -298,6 +298,17 @@ class Adapter(Mapping[str, LoRA]):
 
     def __len__(self) -> int:
         return len(self._loras)
+
+    # the dict's own views: Mapping's reach each entry through __iter__ and __getitem__ in Python,
+    # host time at every call that walks the adapter (one per adapted layer per call)
+    def keys(self) -> KeysView[str]:
+        return self._loras.keys()
+
+    def values(self) -> ValuesView[LoRA]:
+        return self._loras.values()
+
+    def items(self) -> ItemsView[str, LoRA]:
+        return self._loras.items()
 
     def __repr__(self) -> str:
         body = ",\n".join(f"  {p!r}: {l!r}" for p, l in self._loras.items())

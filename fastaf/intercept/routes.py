@@ -92,6 +92,9 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
 def _held(module: nn.Module, name: str, spec: LinearSpec | ParamSpec) -> Tensor:
     """The tensor a route is keyed by: the module's weight, or for a quantized linear without one
     (GPTQ's ``qweight``) its first own parameter or buffer (its device is the layer's)."""
+    held = module._parameters.get(name)  # a registered parameter: without nn.Module.__getattr__'s lookups
+    if held is not None:
+        return held
     if not (isinstance(spec, LinearSpec) and spec.branch) or isinstance(getattr(module, name, None), Tensor):
         return getattr(module, name)
     return next(t for t in (*module._parameters.values(), *module._buffers.values()) if isinstance(t, Tensor))
@@ -192,14 +195,15 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
     resolved = []
     for i, (path, lora) in enumerate(adapter.items()):
         if again:
-            module, name, spec, kept = last[4][i]
+            module, name, spec, kept, fields = last[4][i]
             module = module()
             weight = None if module is None else _held(module, name, spec)
             if weight is None or (id(weight), weight.shape, weight.dtype) != kept or weight.device != lora.A.device:
                 del _resolved[model]  # it no longer holds: from scratch
                 return resolve_routes(model, adapter, params, stacked=stacked, modules=modules)
-            routes[id(weight)] = Route(path, module, weight, lora, spec, name,
-                                       branch=isinstance(spec, LinearSpec) and spec.branch)
+            route = _NEW_ROUTE(Route)  # the first resolution's fields, fresh counters (dataclass __init__: host time)
+            route.__dict__.update(fields, module=module, weight=weight, lora=lora)
+            routes[id(weight)] = route
             continue
         module, name, spec = _resolve(modules, path, lora, model)
         weight = params.get(path if lora.experts else f"{path}.weight", _held(module, name, spec))
@@ -219,13 +223,26 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
                 f"{other} and {path} share one weight tensor (tied), which fastaf adapts at every use: it cannot "
                 f"hold a LoRA per module. Untie them to adapt each: {_untie(path, other)}"
             )
-        routes[id(weight)] = Route(path, module, weight, lora, spec, name,
-                                   branch=isinstance(spec, LinearSpec) and spec.branch)
-        resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype)))
+        route = routes[id(weight)] = Route(path, module, weight, lora, spec, name,
+                                           branch=isinstance(spec, LinearSpec) and spec.branch)
+        # its fields as made, before any use, less the module, weight and LoRA (nothing here keeps
+        # them alive): a call again with this adapter copies them, the module and weight found the
+        # same ones, the LoRA the adapter's
+        fields = {k: v for k, v in route.__dict__.items() if k not in ("module", "weight", "lora")}
+        resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype), fields))
+    made = list(routes.values())  # in the adapter's order
+    if again:  # the siblings as linked the first time, by their places in that order
+        for group in last[5]:
+            members = tuple(made[i] for i in group)
+            for route in members:
+                route.siblings = members
+    else:
+        link_siblings(made)
     if check and not params and not again:
+        place = {id(r): i for i, r in enumerate(made)}
+        groups = {id(r.siblings): tuple(place[id(m)] for m in r.siblings) for r in made if r.siblings}
         _resolved[model] = (weakref.ref(adapter), stacked, list(modules), [weakref.ref(m) for m in modules.values()],
-                            resolved)
-    link_siblings(routes.values())
+                            resolved, tuple(groups.values()))
     # traced too: a tied embedding's read of lm_head's weight must not fold W + ΔW under compile
     for path, module in modules.items():
         weight = _weight_attr(module)
@@ -243,8 +260,11 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
 
 
 
+_NEW_ROUTE = object.__new__
+
 # model -> (the adapter last resolved on it, stacked, the paths and modules walked then, per path
-# its (module, attribute, layout, the weight's id, shape and dtype)); the model, its modules and
+# its (module, attribute, layout, the weight's id, shape and dtype, the Route's other fields as
+# made), the sibling groups by the routes' places in the adapter's order); the model, its modules and
 # the adapter held weakly (nothing here keeps a model alive), the weights not at all
 # (``torch.utils.swap_tensors``, which ``Module.to`` may use, refuses a tensor with a weak reference)
 _resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -254,7 +274,10 @@ def _weight_attr(module: nn.Module) -> Any:
     """``getattr(module, "weight", None)``, read from the module's dicts where it is there or cannot
     be elsewhere: ``nn.Module.__getattr__`` raises inside for a missing name, host time on each
     module of the model at every call."""
-    for held in (module._parameters, module._buffers, module.__dict__):
+    params = module._parameters
+    if "weight" in params:
+        return params["weight"]
+    for held in (module._buffers, module.__dict__):
         if "weight" in held:
             return held["weight"]
     if torch.compiler.is_compiling():
@@ -264,9 +287,18 @@ def _weight_attr(module: nn.Module) -> Any:
         # is missed is harmless here: a property (a parametrization's) makes a new tensor per read,
         # never a route's weight; a wrapper's __getattr__ reaches the weight of a module walked too
         return None
-    if type(module).__getattr__ is nn.Module.__getattr__ and not hasattr(type(module), "weight"):
+    cls = type(module)
+    plain = _NO_CLASS_WEIGHT.get(cls)
+    if plain is None:  # the walk meets the same few classes at every call
+        plain = _NO_CLASS_WEIGHT[cls] = cls.__getattr__ is nn.Module.__getattr__ and not hasattr(cls, "weight")
+    if plain:
         return None
     return getattr(module, "weight", None)  # a property (a parametrization), a class's own __getattr__
+
+
+# class -> its instances without a registered "weight" have none (nn.Module's __getattr__, no class
+# attribute of that name): read once per class (a plain dict: a weak one's lookups are Python calls)
+_NO_CLASS_WEIGHT: dict[type, bool] = {}
 
 
 def _untie(path: str, other: str) -> str:

@@ -36,6 +36,35 @@ def test_the_same_adapter_again_reuses_its_resolution_and_gives_the_same_output(
             fa.functional_call(model, other, (x,))
 
 
+def _fields(routes):
+    """Each route's fields, siblings by path, in order."""
+    return [(r.path, r.module, r.weight, r.lora, r.spec, r.name, r.branch, r.tied, r.hits, r.calls, r.gradless,
+             r.merged, tuple(s.path for s in r.siblings)) for r in routes.values()]
+
+
+def test_routes_made_again_equal_a_fresh_resolution_field_by_field():
+    # the reused resolution copies each route's fields and links its siblings by place: the same
+    # routes as from scratch, fresh ones (a call's counts never leak into the next), and a tied
+    # embedding still marked
+    model = tiny_llama().eval()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: the embedding's reads stay the base's
+    adapter = random_adapter(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "lm_head"], r=4, seed=1)
+    _routes._resolved.pop(model, None)
+    first = _routes.resolve_routes(model, adapter, {})
+    for route in first.values():
+        route.hits, route.calls = 3, 2  # a call's counts
+    again = _routes.resolve_routes(model, adapter, {})
+    _routes._resolved.pop(model, None)
+    fresh = _routes.resolve_routes(model, adapter, {})
+    assert _fields(again) == _fields(fresh)
+    assert all(a is not b for a, b in zip(again.values(), first.values()))
+    q = next(r for r in again.values() if r.path.endswith("0.self_attn.q_proj"))
+    assert {s.path.rpartition(".")[2] for s in q.siblings} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert all(any(s is r for r in again.values()) and s.siblings is q.siblings for s in q.siblings)  # this call's
+    assert [r.path for r in again.values() if r.tied] == ["lm_head"]
+
+
 def test_a_module_or_weight_replaced_since_is_resolved_again():
     model = tiny_llama().eval()
     adapter = random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1)
