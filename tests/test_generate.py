@@ -48,8 +48,20 @@ def _graphs() -> int:
     return counters["stats"].get("unique_graphs", 0)
 
 
-def _fastaf_breaks() -> list:
-    return [r for r in counters["graph_break"] if "fastaf" in str(r)]
+def _compiled() -> tuple[int, dict]:
+    """What dynamo did since ``counters.clear()``: (graphs compiled, {graph-break reason: times})."""
+    return _graphs(), dict(counters["graph_break"])
+
+
+def _fresh(run):
+    """``run()``'s result and ``_compiled()`` for it from a fresh dynamo. A compiled generate of
+    fastaf's must give the base model's own (a break in fastaf's part of the step shows as one
+    more reason and one more graph; dynamo's reasons name no file, so no filter on them can tell
+    fastaf's breaks from transformers')."""
+    torch._dynamo.reset()
+    counters.clear()
+    out = run()
+    return out, _compiled()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -58,25 +70,45 @@ def test_one_adapter_compiled_decode_equals_the_dynamic_path_and_peft_and_compil
     model = make().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     first, second = (random_adapter(model, targets, r=4, seed=s) for s in (1, 2))
-    torch._dynamo.reset()
-    counters.clear()
-    for adapter in (first, second):
-        want = fa.generate(model, adapter, ids, **NEW)
-        graphs = _graphs()
-        got = fa.generate(model, adapter, ids, **NEW, **_static())
-        assert torch.equal(got, want)
-        if adapter is second:
-            assert _graphs() == graphs, "new adapter values compiled a new graph"
-    assert _graphs() >= 1 and not _fastaf_breaks(), counters["graph_break"]
+    plain, base = _fresh(lambda: model.generate(ids, **NEW, **_static()))
+    assert base[0] >= 1, "the base model's decoding step compiled nothing"
+    got, compiled = _fresh(lambda: fa.generate(model, first, ids, **NEW, **_static()))
+    assert compiled == base, f"(graphs, breaks), fastaf's against the base model's: {compiled}, {base}"
+    assert torch.equal(got, fa.generate(model, first, ids, **NEW))
+    want = fa.generate(model, second, ids, **NEW)
+    got = fa.generate(model, second, ids, **NEW, **_static())
+    assert torch.equal(got, want)
+    assert _compiled() == compiled, "new adapter values compiled a new graph"
     assert "forward" not in model.__dict__  # left as it was
     stateful = fa.init(copy.deepcopy(model))
     stateful.add_new_adapter("a", second)
     stateful.set_active_adapter("a")
-    assert torch.equal(stateful.generate(ids, **NEW, **_static()), got)
-    assert not _fastaf_breaks(), counters["graph_break"]
+    tokens, compiled = _fresh(lambda: stateful.generate(ids, **NEW, **_static()))
+    assert torch.equal(tokens, got)
+    assert compiled == base, f"(graphs, breaks), the stateful layer's against the base model's: {compiled}, {base}"
     peft_model = peft_model_with(copy.deepcopy(model), {"default": second}, targets, {"default": (4, 8.0)}).eval()
     assert torch.equal(peft_model.generate(input_ids=ids, **NEW), got)
-    assert not torch.equal(model.generate(ids, **NEW), got)  # the adapter changes the tokens
+    assert not torch.equal(plain, got)  # the adapter changes the tokens
+
+
+def test_the_compile_check_sees_a_graph_break_in_fastafs_part_of_the_step(monkeypatch):
+    """``_fresh``'s comparison with the base model's compiled generate fails on a graph break put
+    in fastaf's part of the traced step (the packed adapter's unpacking); the tokens stay the same."""
+    from fastaf._packed import Packed
+
+    model = tiny_llama(layers=1).eval().requires_grad_(False)
+    ids = token_batch(batch=2, seq=8)
+    adapter = random_adapter(model, ["q_proj", "v_proj"], r=4, seed=1)
+    _, base = _fresh(lambda: model.generate(ids, **NEW, **_static()))
+    traced = Packed.traced
+
+    def breaking(self):
+        torch._dynamo.graph_break()
+        return traced(self)
+    monkeypatch.setattr(Packed, "traced", breaking)
+    got, compiled = _fresh(lambda: fa.generate(model, adapter, ids, **NEW, **_static()))
+    assert torch.equal(got, fa.generate(model, adapter, ids, **NEW))
+    assert compiled[0] > base[0] and sum(compiled[1].values()) > sum(base[1].values()), (compiled, base)
 
 
 @pytest.mark.parametrize("via", ["fa.generate", "stateful"])
@@ -132,21 +164,19 @@ def test_a_left_padded_batch_decodes_compiled_at_the_positions_generate_gives_it
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
-def test_a_stack_with_ids_decodes_compiled_and_new_ids_compile_nothing():
-    model = tiny_llama().eval().requires_grad_(False)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_stack_with_ids_decodes_compiled_and_new_ids_compile_nothing(arch):
+    make, targets = ARCHS[arch]
+    model = make().eval().requires_grad_(False)
     ids = token_batch(batch=3, seq=8)
-    stack = fa.stack([random_adapter(model, ["q_proj", "v_proj"], r=r, seed=r) for r in (2, 4)])
-    torch._dynamo.reset()
-    counters.clear()
-    for row_ids in ([0, 1, -1], [1, 1, 0]):
-        row_ids = torch.tensor(row_ids)
-        want = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW)
-        graphs = _graphs()
-        got = fa.generate(model, stack, ids, adapter_ids=row_ids, **NEW, **_static())
-        assert torch.equal(got, want)
-        if row_ids[0] == 1:
-            assert _graphs() == graphs, "new ids compiled a new graph"
-    mixed = fa.generate(model, stack, ids, adapter_ids=torch.tensor([0, 1, -1]), **NEW, **_static())
+    stack = fa.stack([random_adapter(model, targets, r=r, seed=r) for r in (2, 4)])
+    run = lambda row_ids, **kw: fa.generate(model, stack, ids, adapter_ids=torch.tensor(row_ids), **NEW, **kw)  # noqa: E731
+    _, base = _fresh(lambda: model.generate(ids, **NEW, **_static()))
+    mixed, compiled = _fresh(lambda: run([0, 1, -1], **_static()))
+    assert compiled == base, f"(graphs, breaks), fastaf's against the base model's: {compiled}, {base}"
+    assert torch.equal(mixed, run([0, 1, -1]))
+    assert torch.equal(run([1, 1, 0], **_static()), run([1, 1, 0]))
+    assert _compiled() == compiled, "new ids compiled a new graph"
     for i, alone in enumerate([*fa.unstack(stack), None]):  # each row as its adapter alone decodes it
         one = fa.generate(model, alone, ids[i:i + 1], **NEW) if alone is not None else model.generate(ids[i:i + 1], **NEW)
         assert torch.equal(mixed[i, :one.shape[1]], one[0])  # (a row that ended early is padded after)
@@ -457,23 +487,25 @@ def _one_layer_stateful():
 
 
 def test_the_stateful_layer_decodes_compiled_and_an_adapter_coming_back_finds_its_graph():
-    base = tiny_llama().eval().requires_grad_(False)
+    """One graph for the adapters of one structure: switching the active adapter (a to b, b back
+    to a) compiles none, and the first compiles what the base model's step does."""
+    base = tiny_llama(layers=1).eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
     adapters = {n: random_adapter(base, ["q_proj", "v_proj"], r=4, seed=s) for n, s in (("a", 1), ("b", 2))}
     model = copy.deepcopy(base)
     fa.init(model)
     for name, adapter in adapters.items():
         model.add_new_adapter(name, adapter)
-    torch._dynamo.reset()
-    counters.clear()
-    # the hooks read the active adapter's name, which the graph guards on: one graph per adapter
-    for name in ("a", "b", "a"):
+    _, plain = _fresh(lambda: base.generate(ids, **NEW, **_static()))
+    model.set_active_adapter("a")
+    got, compiled = _fresh(lambda: model.generate(ids, **NEW, **_static()))
+    assert compiled == plain, f"(graphs, breaks), the stateful layer's against the base model's: {compiled}, {plain}"
+    assert torch.equal(got, fa.generate(base, adapters["a"], ids, **NEW))
+    for name in ("b", "a"):
         model.set_active_adapter(name)
-        graphs = _graphs()
         got = model.generate(ids, **NEW, **_static())
         assert torch.equal(got, fa.generate(base, adapters[name], ids, **NEW))
-    assert _graphs() == graphs, "the adapter coming back compiled a new graph"
-    assert not _fastaf_breaks(), counters["graph_break"]
+        assert _compiled() == compiled, f"activating {name!r} compiled a new graph"
 
 
 def test_the_stateful_layers_compiled_decode_reads_the_factors_as_they_are_at_each_generate():
@@ -720,22 +752,52 @@ def test_a_deep_copy_of_a_model_that_decoded_compiled_decodes_itself_compiled():
 
 
 def test_an_encoder_decoder_decodes_compiled_with_its_encoder_adapted():
+    """generate runs BART's encoder outside the model's forward, then compiles the decoding step
+    (``min_new_tokens``: a tiny BART's first token is its EOS, and a generate that stops at the
+    prefill compiles nothing). Through fa.generate (one adapter, then a stack with ids) and the
+    stateful layer: the tokens and logits are the dynamic path's and PEFT's, fastaf compiles what
+    the base model's step does, and new values or ids compile nothing."""
     model = tiny_bart().eval().requires_grad_(False)
     ids = token_batch(batch=2, seq=8)
-    adapter = random_adapter(model, ["q_proj", "v_proj", "fc1"], r=4, seed=1)
-    kw = dict(max_new_tokens=4, do_sample=False, num_beams=1, return_dict_in_generate=True, output_logits=True)
-    want = fa.generate(model, adapter, ids, **kw)
-    got = fa.generate(model, adapter, ids, **kw, **_static())
-    base = model.generate(ids, **kw)
-    for w, g, b in zip(want.logits, got.logits, base.logits):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    targets = ["q_proj", "v_proj", "fc1"]
+    first, second = (random_adapter(model, targets, r=4, seed=s) for s in (1, 2))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, num_beams=1, return_dict_in_generate=True,
+              output_logits=True)
+
+    def same(got, want):
+        assert torch.equal(got.sequences, want.sequences)
+        for g, w in zip(got.logits, want.logits, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    plain, base = _fresh(lambda: model.generate(ids, **kw, **_static()))
+    assert base[0] >= 1, "the base model's decoding step compiled nothing"
+    want = fa.generate(model, first, ids, **kw)
+    got, compiled = _fresh(lambda: fa.generate(model, first, ids, **kw, **_static()))
+    assert compiled == base, f"(graphs, breaks), fastaf's against the base model's: {compiled}, {base}"
+    same(got, want)
+    for w, b in zip(want.logits, plain.logits):
         assert (w - b).abs().max() > 1e-3  # the adapter, encoder included, changes every step
+    peft_model = peft_model_with(copy.deepcopy(model), {"default": first}, targets, {"default": (4, 8.0)}).eval()
+    same(got, peft_model.generate(input_ids=ids, **kw))
+    again = fa.generate(model, second, ids, **kw, **_static())
+    same(again, fa.generate(model, second, ids, **kw))
+    assert _compiled() == compiled, "new adapter values compiled a new graph"
     assert "forward" not in model.__dict__ and "forward" not in model.get_encoder().__dict__
+    stack = fa.stack([first, second])
+    mixed = fa.generate(model, stack, ids, adapter_ids=torch.tensor([1, -1]), **kw, **_static())
+    same(mixed, fa.generate(model, stack, ids, adapter_ids=torch.tensor([1, -1]), **kw))
+    # each row its adapter's alone (rows decode apart: no padding)
+    assert torch.equal(mixed.sequences, torch.stack([again.sequences[0], plain.sequences[1]]))
+    graphs, breaks = _compiled()
+    assert breaks == base[1], breaks
+    swapped = fa.generate(model, stack, ids, adapter_ids=torch.tensor([0, 1]), **kw, **_static())
+    assert torch.equal(swapped.sequences, torch.stack([got.sequences[0], again.sequences[1]]))
+    assert _compiled() == (graphs, breaks), "new ids compiled a new graph"
     stateful = fa.init(copy.deepcopy(model))  # the stateful layer's generate: its encoder adapted too
-    stateful.add_new_adapter("a", adapter)
+    stateful.add_new_adapter("a", first)
     stateful.set_active_adapter("a")
-    for w, g in zip(want.logits, stateful.generate(ids, **kw, **_static()).logits):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    out, compiled = _fresh(lambda: stateful.generate(ids, **kw, **_static()))
+    assert compiled == base, f"(graphs, breaks), the stateful layer's against the base model's: {compiled}, {base}"
+    same(out, want)
 
 
 def test_a_vision_language_model_decodes_compiled_with_its_vision_tower_adapted():
