@@ -125,18 +125,19 @@ class LaunchSite:
             except Exception as err:  # noqa: BLE001
                 self._disable(err)
             return None
-        if not self.again(entry, grid, args):
+        if not self.again(entry, grid, args, device):
             self.kernel[tuple(grid)](*args, **meta)  # a profiler's hook, or the fast path failed
             return None
         return entry
 
-    def again(self, entry: tuple, grid: Sequence[int], args: Sequence[Any]) -> bool:
+    def again(self, entry: tuple, grid: Sequence[int], args: Sequence[Any], current: int | None = None) -> bool:
         """Launch ``entry`` (what ``__call__`` returned) with ``args`` and no key: the caller vouches
         that the call is alike (argument dtypes, alignments and ints, meta-parameters). False,
         launching nothing, when it cannot: a launch hook is active (profilers want launch
-        metadata: the normal path), another current device, or the fast path failed."""
+        metadata: the normal path), another current device, or the fast path failed.
+        ``current``: the current device where the caller read it already."""
         device, compiled, tail = entry
-        if not self.fast or _hooks_active() or _current_device() != device:
+        if not self.fast or _hooks_active() or (_current_device() if current is None else current) != device:
             return False
         try:
             stream = _raw_stream(device)
