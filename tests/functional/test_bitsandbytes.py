@@ -2,12 +2,13 @@
 on the CPU): every quantized linear keeps its packed weights and runs its own forward, its LoRA
 added to the output (``ops.lora_branch``). Forward, gradients and generate against PEFT's QLoRA
 with the same factors; torch.func against autograd; the stateful layer's training and files
-against PEFT."""
+against PEFT; training leaves the packed weights and their quantization state bit-identical."""
 from __future__ import annotations
 
 import copy
 import warnings
 
+import bitsandbytes as bnb
 import peft
 import pytest
 import torch
@@ -98,8 +99,9 @@ def test_functional_call_equals_peft_qlora_forward_and_gradients(saved, kind):
                                    msg=lambda m: f"{path} dB: {m}")
 
 
-def test_torch_func_grad_equals_autograd_on_a_quantized_base(saved):
-    model = quantized(saved, "nf4")
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_torch_func_grad_equals_autograd_on_a_quantized_base(saved, kind):
+    model = quantized(saved, kind)
     adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=2)
     ids = token_batch()
 
@@ -114,14 +116,18 @@ def test_torch_func_grad_equals_autograd_on_a_quantized_base(saved):
         torch.testing.assert_close(grads[path].B, lora.B.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_generate_equals_peft_qlora_generate(saved):
-    model = quantized(saved, "nf4-double")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_generate_equals_peft_qlora_generate(saved, kind):
+    model = quantized(saved, kind)
     adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=3)
     ids = token_batch(batch=2, seq=6)
     kw = dict(max_new_tokens=5, do_sample=False)
     pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # int8 on the CPU: "inputs will be cast to float16"
         want = pm.generate(input_ids=ids, **kw)
+        with pm.disable_adapter():
+            assert not torch.equal(pm.generate(input_ids=ids, **kw), want)  # the adapter changes the tokens
         assert torch.equal(fa.generate(model, adapter, ids, **kw), want)
         inited = fa.init(copy.deepcopy(model))
         inited.add_new_adapter("a", adapter)
@@ -160,6 +166,78 @@ def test_the_stateful_layer_trains_a_quantized_base_and_writes_what_peft_reads(s
     with torch.no_grad():
         torch.testing.assert_close(_logits(lambda i: fa.functional_call(model, loaded, (i,)), ids), _logits(pm, ids),
                                    rtol=1e-5, atol=1e-5)
+
+
+def _quantized_state(model) -> dict[str, object]:
+    """A copy of each quantized layer's packed weight and of its quantization state: a 4-bit
+    weight's QuantState (absmax, code, offset; under double quantization the nested state's too),
+    an int8 layer's CB and SCB (on the weight until its first forward, then on the layer's
+    ``state``), with their plain fields (shape, blocksize, quant_type, threshold)."""
+    state: dict[str, object] = {}
+
+    def keep(name: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            state[name] = value.detach().clone()
+        elif isinstance(value, bnb.functional.QuantState):
+            for field, v in vars(value).items():
+                keep(f"{name}.{field}", v)
+        elif value is None or isinstance(value, (bool, int, float, str, torch.Size, torch.dtype)):
+            state[name] = value
+
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+            keep(f"{path}.weight", weight)
+            for field, value in vars(weight).items():
+                keep(f"{path}.weight.{field}", value)
+            if isinstance(module, bnb.nn.Linear8bitLt):
+                for field, value in vars(module.state).items():  # a MatmulLtState
+                    keep(f"{path}.state.{field}", value)
+    return state
+
+
+def _assert_same_state(got: dict[str, object], want: dict[str, object]) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == got[name].dtype and torch.equal(got[name], value), name
+        else:
+            assert got[name] == value, name
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_training_steps_leave_the_quantized_weights_and_their_state_bit_identical(saved, kind):
+    """An optimizer step on the adapter, through functional_call and through the stateful layer,
+    moves the factors alone: the packed weights and their quantization state keep every bit, and
+    the base model's logits with no adapter stay what they were. (fastaf's dequantizing kernel:
+    test_a_4bit_training_call_dequantizes_inside_fastafs_op.)"""
+    model = quantized(saved, kind)
+    ids = token_batch()
+    with torch.no_grad():
+        base = _logits(model, ids)  # bitsandbytes' first int8 forward moves CB and SCB to the layer's state
+    before = _quantized_state(model)
+    assert any(name.endswith("absmax" if kind != "int8" else "state.SCB") for name in before)
+    adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=12)
+    leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
+    opt = torch.optim.SGD([t for l in leaves.values() for t in (l.A, l.B)], lr=1.0)
+    _logits(lambda i: fa.functional_call(model, leaves, (i,)), ids).square().mean().backward()
+    opt.step()
+    assert all(not torch.equal(leaves[p].B, l.B) for p, l in adapter.items())  # the step moved the factors
+    _assert_same_state(_quantized_state(model), before)
+    inited = fa.init(model)
+    inited.add_new_adapter("a", adapter)
+    inited.set_active_adapter("a")
+    inited.train()
+    params = [p for p in inited.parameters() if p.requires_grad]
+    assert len(params) == 2 * len(adapter)  # the adapter's factors alone
+    opt = torch.optim.SGD(params, lr=1.0)
+    _logits(inited, ids).square().mean().backward()
+    opt.step()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in params)
+    _assert_same_state(_quantized_state(inited), before)
+    inited.set_active_adapter(None)
+    with torch.no_grad():
+        assert torch.equal(_logits(inited, ids), base)
 
 
 def _model_state(model) -> set[int]:
@@ -259,9 +337,10 @@ def test_a_compiled_stateful_model_adds_the_lora_of_its_quantized_layers(saved):
         torch.testing.assert_close(_logits(torch.compile(inited, backend="aot_eager"), ids), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_stack_with_adapter_ids_equals_peft_adapter_names_on_a_quantized_base(saved):
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_a_stack_with_adapter_ids_equals_peft_adapter_names_on_a_quantized_base(saved, kind):
     """Each example takes its slot's branch (none for -1): PEFT's mixed batch over the same 4-bit base."""
-    model = quantized(saved, "nf4").eval()  # PEFT takes adapter_names in eval mode only; no backward here
+    model = quantized(saved, kind).eval()  # PEFT takes adapter_names in eval mode only; no backward here
     adapters = [random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=s) for s in (6, 7)]
     ids = token_batch(batch=3)
     pm = peft_model_with(model, {"a0": adapters[0], "a1": adapters[1]}, TARGETS, {"a0": (R, ALPHA), "a1": (R, ALPHA)})
@@ -277,8 +356,8 @@ def test_a_stack_with_adapter_ids_equals_peft_adapter_names_on_a_quantized_base(
                          ids=["dequant-op-kernel", "dequant-op", "branch"])
 def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, kernel, set_flags, monkeypatch):
     """With grad on, each 4-bit layer runs ``ops.lora_linear_4bit`` (FASTAF_DEQUANT, the default),
-    not its own forward plus a branch; both equal PEFT's QLoRA. Inference keeps bitsandbytes'
-    forward."""
+    not its own forward plus a branch; both equal PEFT's QLoRA, and the backward leaves the packed
+    weights and their state bit-identical. Inference keeps bitsandbytes' forward."""
     from fastaf.intercept import use
 
     from fastaf.kernels import dequant_4bit
@@ -293,10 +372,13 @@ def test_a_4bit_training_call_dequantizes_inside_fastafs_op(saved, dequant, kern
     ids = token_batch()
     pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
     leaves = adapter.map(lambda p, l: fa.LoRA(l.A.clone().requires_grad_(), l.B.clone().requires_grad_(), l.scale))
+    before = _quantized_state(model)
     got = _logits(lambda i: fa.functional_call(model, leaves, (i,)), ids)
     assert len(calls) == (len(adapter) if dequant else 0)
     assert bool(launches) == (kernel and bool(torch.cuda.is_available() or _interpreted()))
     torch.testing.assert_close(got, _logits(pm, ids), rtol=1e-5, atol=1e-5)
+    got.square().mean().backward()
+    _assert_same_state(_quantized_state(model), before)
     calls.clear()
     with torch.no_grad():
         fa.functional_call(model, adapter, (ids,))
@@ -431,22 +513,58 @@ def test_trl_sft_trainer_trains_a_quantized_base_through_the_stateful_layer(save
     assert all(float(l.B.abs().max()) > 0 for l in model.get_adapter("sql").values())
 
 
-def test_generate_with_an_explicitly_compiled_decode_step_on_a_quantized_base(saved):
-    """transformers does not compile a bitsandbytes model's decode step by itself: compiled by the
-    user (a compile_config for every device, or the forward compiled in place), fa.generate gives
-    the dynamic path's tokens."""
-    from transformers import CompileConfig
+def _compiled_generate(model, adapter, ids, backend, **kw):
+    """fa.generate with ``model.forward`` compiled in place by the user, from a fresh dynamo: the
+    tokens, and the graphs and graph breaks dynamo made."""
+    from torch._dynamo.testing import CompileCounterWithBackend
 
+    counter = CompileCounterWithBackend(backend)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model.forward = torch.compile(model.forward, backend=counter)
+    with torch.no_grad():
+        tokens = fa.generate(model, adapter, ids, **kw)
+    return tokens, counter.graphs, dict(counters["graph_break"])
+
+
+def test_generate_with_a_compiled_forward_on_a_quantized_base_equals_eager_and_peft_qlora(saved):
+    """The user's compiled forward runs every step of fa.generate as a dynamo graph (no graph
+    break) that holds each 4-bit layer's bitsandbytes op and its LoRA, with the eager fa.generate's
+    tokens and PEFT QLoRA's (fp32 compute).
+
+    transformers never compiles a bitsandbytes model's decode step itself: its quantizer is not
+    compileable, and generate with a ``compile_config`` or a static cache logs "Compilation will be
+    skipped" and runs the dynamic path (which test_generate_equals_peft_qlora_generate covers)."""
     model = quantized(saved, "nf4-double")
+    assert not model.hf_quantizer.is_compileable  # once it is, transformers' compiled path wants a test here
     adapter = random_adapter(model, TARGETS, r=R, alpha=ALPHA, seed=11)
     ids = token_batch(batch=2, seq=6)
-    kw = dict(max_new_tokens=4, do_sample=False)
-    config = CompileConfig(fullgraph=False, backend="aot_eager")
-    config._compile_all_devices = True  # transformers compiles on CUDA only by default
-    torch._dynamo.reset()
+    kw = dict(max_new_tokens=3, do_sample=False)
+    pm = peft_model_with(model, {"default": adapter}, TARGETS, {"default": (R, ALPHA)})
     with torch.no_grad():
-        want = fa.generate(model, adapter, ids, **kw)
-        assert torch.equal(fa.generate(model, adapter, ids, cache_implementation="static", compile_config=config, **kw),
-                           want)
-        model.forward = torch.compile(model.forward, backend="aot_eager")
+        want = pm.generate(input_ids=ids, **kw)
+        with pm.disable_adapter():
+            assert not torch.equal(pm.generate(input_ids=ids, **kw), want)  # the adapter changes the tokens
         assert torch.equal(fa.generate(model, adapter, ids, **kw), want)
+    layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    got, graphs, breaks = _compiled_generate(model, adapter, ids, "aot_eager", **kw)
+    assert torch.equal(got, want)
+    assert graphs and breaks == {}  # the whole forward in each graph: the LoRA branches too
+    for graph in graphs:
+        gemms = [n for n in graph.graph.nodes if n.target is torch.ops.bitsandbytes.gemm_4bit.default]
+        assert len(gemms) == layers
+
+
+def test_a_compiled_forward_on_a_quantized_base_compiles_as_few_graphs_as_on_a_dense_base(saved):
+    """A dense base's compiled forward under fa.generate compiles 3 graphs whatever the number of
+    tokens (the prefill, the first step, the step with a dynamic cache length); so does a 4-bit one
+    (the instance forward fastaf sets on a 4-bit layer counts its calls only outside the user's
+    compiled block, where a count would be a guard and each step a recompile)."""
+    dense = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).requires_grad_(False).train()
+    adapter = random_adapter(dense, TARGETS, r=R, alpha=ALPHA, seed=11)
+    ids = token_batch(batch=2, seq=6)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    _, dense_graphs, _ = _compiled_generate(dense, adapter, ids, "eager", **kw)
+    _, graphs, _ = _compiled_generate(quantized(saved, "nf4"), adapter, ids, "eager", **kw)
+    assert len(graphs) <= len(dense_graphs)
