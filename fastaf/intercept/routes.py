@@ -225,11 +225,13 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             )
         route = routes[id(weight)] = Route(path, module, weight, lora, spec, name,
                                            branch=isinstance(spec, LinearSpec) and spec.branch)
-        # its fields as made, before any use, less the module, weight and LoRA (nothing here keeps
-        # them alive): a call again with this adapter copies them, the module and weight found the
-        # same ones, the LoRA the adapter's
-        fields = {k: v for k, v in route.__dict__.items() if k not in ("module", "weight", "lora")}
-        resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype), fields))
+        if check and not params:
+            # its fields as made, before any use, less the module, weight and LoRA (nothing here
+            # keeps them alive): a call again with this adapter copies them, the module and weight
+            # found the same ones, the LoRA the adapter's. Eager only: torch 2.11's dynamo cannot
+            # trace a __dict__ read
+            fields = {k: v for k, v in route.__dict__.items() if k not in ("module", "weight", "lora")}
+            resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype), fields))
     made = list(routes.values())  # in the adapter's order
     if again:  # the siblings as linked the first time, by their places in that order
         for group in last[5]:
