@@ -12,6 +12,7 @@ from torch import nn
 
 from .._adapter import Adapter, LoRA
 from .._layouts import LinearSpec, check_module, match_targets, target_spec
+from ..intercept import held_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,9 @@ def init_adapter(
             )
     loras = {}
     for key, spec in specs.items():
-        weight = modules[key].weight if isinstance(spec, LinearSpec) else params[key]
+        # a linear's weight, or the tensor a packed layer without one keys (GPTQ's qweight): its
+        # device, and float64 or not
+        weight = held_tensor(modules[key], "weight", spec) if isinstance(spec, LinearSpec) else params[key]
         experts = 0 if isinstance(spec, LinearSpec) else spec.num_experts
         dt = dtype or (torch.float64 if weight.dtype == torch.float64 else torch.float32)
         A = torch.empty(max(experts, 1) * config.r, spec.in_features, dtype=torch.float32)

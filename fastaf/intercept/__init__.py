@@ -9,6 +9,6 @@ eager ``torch.func.grad`` level.
 from .below_grad import call_below, grad_level
 from .groups import Groups, learned
 from .mode import LoRAMode, adapter_mode, module_mode
-from .routes import Route, link_siblings, module_routes
+from .routes import Route, held_tensor, link_siblings, module_routes
 from .scope import TRACED_FORWARDS, check_lost, combine, checkpoint_context, explicit_mode_active, scoped_call
 from .use import branch_output, dequantized, packed_4bit

@@ -89,7 +89,7 @@ def _resolve(modules: Mapping[str, nn.Module], path: str, lora: LoRA, model: nn.
     return module, "weight", spec
 
 
-def _held(module: nn.Module, name: str, spec: LinearSpec | ParamSpec) -> Tensor:
+def held_tensor(module: nn.Module, name: str, spec: LinearSpec | ParamSpec) -> Tensor:
     """The tensor a route is keyed by: the module's weight, or for a quantized linear without one
     (GPTQ's ``qweight``) its first own parameter or buffer (its device is the layer's)."""
     held = module._parameters.get(name)  # a registered parameter: without nn.Module.__getattr__'s lookups
@@ -197,7 +197,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
         if again:
             module, name, spec, kept, fields = last[4][i]
             module = module()
-            weight = None if module is None else _held(module, name, spec)
+            weight = None if module is None else held_tensor(module, name, spec)
             if weight is None or (id(weight), weight.shape, weight.dtype) != kept or weight.device != lora.A.device:
                 del _resolved[model]  # it no longer holds: from scratch
                 return resolve_routes(model, adapter, params, stacked=stacked, modules=modules)
@@ -206,7 +206,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             routes[id(weight)] = route
             continue
         module, name, spec = _resolve(modules, path, lora, model)
-        weight = params.get(path if lora.experts else f"{path}.weight", _held(module, name, spec))
+        weight = params.get(path if lora.experts else f"{path}.weight", held_tensor(module, name, spec))
         if not check and is_dtensor(weight):
             # compiled, one mode keys the weights at the call's start; FSDP2 swaps in the
             # unsharded weight later, which that mode would miss without a word
@@ -335,7 +335,7 @@ def module_routes(module: nn.Module, loras: Mapping[str, LoRA]) -> dict[int, Rou
             spec: LinearSpec | ParamSpec = param_spec(module, name)
         else:
             name, spec = "weight", linear_spec(module)
-        weight = _held(module, name, spec)
+        weight = held_tensor(module, name, spec)
         routes[id(weight)] = Route(key, module, weight, lora, spec, name,
                                    branch=isinstance(spec, LinearSpec) and spec.branch)
     return routes

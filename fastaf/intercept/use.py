@@ -150,15 +150,21 @@ def branch_output(path: str, module: Any, args: tuple, output: Any, lora: LoRA, 
     ``args[0]``: what the per-call hooks of ``functional_call`` and the stateful layer's hooks
     return. ``ids``: the call's adapter_ids (a stacked ``lora``), or None."""
     if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
-        raise ValueError(
-            f"{path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its output "
-            "from its input: it needs the input as its first positional argument and a tensor output; got "
-            f"{type(args[0]).__name__ if args else 'no positional argument'} -> {type(output).__name__}"
-        )
+        _refuse_branch(path, module, args, f" -> {type(output).__name__}")
     x = args[0]
     if ids is None:
         return output + lora_branch(x, lora, module.training).to(output.dtype)
     return output + lora_branch_multi(x, lora, check_rows(ids, x.shape[0], path), module.training).to(output.dtype)
+
+
+def _refuse_branch(path: str, module: Any, args: tuple, got_output: str = "") -> None:
+    """The error for a quantized layer's call fastaf cannot add a LoRA branch to: its input not the
+    first positional argument, or (``got_output``) its output not a tensor."""
+    raise ValueError(
+        f"{path} ({type(module).__name__}) is a quantized linear layer, whose LoRA fastaf adds to its output "
+        "from its input: it needs the input as its first positional argument and a tensor output; got "
+        f"{type(args[0]).__name__ if args else 'no positional argument'}{got_output}"
+    )
 
 
 def packed_4bit(module: Any) -> Packed4bit | None:
@@ -240,6 +246,8 @@ def quantized_call(path: str, module: Any, forward: Any, args: tuple, kwargs: di
             "its weight's storage). Compile the call with plain autograd (loss.backward()), or run torch.func "
             "eagerly"
         )
+    if not args or not isinstance(args[0], Tensor):  # before the layer runs: nothing of it half done
+        _refuse_branch(path, module, args)
     return branch_output(path, module, args, forward(*args, **kwargs), lora, ids)
 
 
@@ -252,7 +260,8 @@ def _vmapped(path: str, module: Any, args: tuple, kwargs: dict, lora: LoRA, own:
     if packed is None:
         raise NotImplementedError(
             f"{path} ({type(module).__name__}) is a quantized layer whose own forward runs under torch.func.vmap, "
-            "which bitsandbytes' autograd Functions do not take (no vmap rule): call functional_call once per "
+            "which fastaf does for bitsandbytes' 4-bit layers alone, from their dequantized weight (their autograd "
+            "Functions, like other quantized forwards, have no vmap rule): call functional_call once per "
             "adapter, or use adapter_ids with a stack"
         )
     x = args[0]
