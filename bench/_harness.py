@@ -24,7 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# where rows go: bench/results, or $FASTAF_BENCH_RESULTS (the test suite's smoke runs write to a
+# temporary folder, never into the committed rows)
+RESULTS = Path(os.environ.get("FASTAF_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 # the columns every row opens with: who measured what, where
 META = ("run", "date", "sha", "gpu", "torch", "triton", "provider")
 
