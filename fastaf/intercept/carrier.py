@@ -214,15 +214,7 @@ def eligible(model: nn.Module, mode: LoRAMode, params: Mapping[str, Tensor] | No
     # a pre-forward hook may swap a weight in (FSDP2 registers its unsharded one; a carrier swapped
     # out would lose the adapter, which the mode follows); a compiled module would trace a carrier
     walked = model.modules() if mode.modules is None else mode.modules.values()
-    for m in walked:
-        own = m.__dict__
-        if own["_forward_pre_hooks"]:
-            return False
-        # compiled_class's own reads, first: a module with none of them is not compiled
-        if ("forward" in own or own.get("_compiled_call_impl") is not None or "fastaf" in own["_modules"]) \
-                and compiled_class(m) is not None:
-            return False
-    return True
+    return not any(m._forward_pre_hooks or compiled_class(m) is not None for m in walked)
 
 
 class carried:
@@ -233,21 +225,19 @@ class carried:
         self.installed: list[tuple[nn.Module, str, Carrier, tuple]] = []
 
     def __enter__(self) -> carried:
-        tid, mode, installed = threading.get_ident(), self.mode, self.installed
+        tid = threading.get_ident()
         with _lock:
             try:
-                for route in mode.routes.values():
-                    module, name = route.module, route.name
-                    params = module._parameters
-                    held = params[name]
+                for route in self.mode.routes.values():
+                    held = route.module._parameters[route.name]
                     carrier = held if type(held) is Carrier else Carrier.of(held)
-                    entry = (mode, route)
+                    entry = (self.mode, route)
                     carrier.calls.setdefault(tid, []).append(entry)
-                    installed.append((module, name, carrier, entry))
-                    params[name] = carrier
-                    if carrier.forward is None and _takes_forward(module, name):
-                        carrier.forward = _linear_forward(module)
-                        module.__dict__["forward"] = carrier.forward  # no __setattr__: not a submodule
+                    self.installed.append((route.module, route.name, carrier, entry))
+                    route.module._parameters[route.name] = carrier
+                    if carrier.forward is None and _takes_forward(route.module, route.name):
+                        carrier.forward = _linear_forward(route.module)
+                        route.module.__dict__["forward"] = carrier.forward  # no __setattr__: not a submodule
             except BaseException:  # an interrupt mid-install: nothing stays swapped
                 self._remove(tid)
                 raise
@@ -260,24 +250,16 @@ class carried:
     def _remove(self, tid: int) -> None:
         """Take this call's entries off its carriers (the lock held); put back a weight no call carries."""
         for module, name, carrier, entry in reversed(self.installed):
-            calls = carrier.calls
-            stack = calls.get(tid, [])
-            if stack and stack[-1] is entry:  # the innermost call leaves first
-                stack.pop()
-            else:
-                for i in range(len(stack) - 1, -1, -1):  # by identity: a route compares its tensors
-                    if stack[i] is entry:
-                        del stack[i]
-                        break
+            stack = carrier.calls.get(tid, [])
+            for i in range(len(stack) - 1, -1, -1):  # by identity: a route compares its tensors
+                if stack[i] is entry:
+                    del stack[i]
+                    break
             if not stack:
-                calls.pop(tid, None)
-            params = module._parameters
-            if not calls and params.get(name) is carrier:
-                params[name] = carrier.raw
-                forward = carrier.forward
-                if forward is not None:
-                    own = module.__dict__
-                    if own.get("forward") is forward:
-                        del own["forward"]
-                    carrier.forward = None
+                carrier.calls.pop(tid, None)
+            if not carrier.calls and module._parameters.get(name) is carrier:
+                module._parameters[name] = carrier.raw
+                if carrier.forward is not None and module.__dict__.get("forward") is carrier.forward:
+                    del module.__dict__["forward"]
+                carrier.forward = None
         self.installed.clear()

@@ -183,11 +183,16 @@ class LoRAMode(TorchFunctionMode):
             self._count(route)
         return merged
 
+    def counts(self) -> bool:
+        """Whether a use may be counted here: not in a block compiled inside an eager call
+        (transformers' compiled decode step, FSDP2's compiled layers, a user-compiled forward): a
+        count read there is a guard on its value, and each step recompiled."""
+        return self.traced or not torch.compiler.is_compiling()
+
     def _count(self, route: Route) -> None:
-        """Count an adapted use of ``route``'s weight: a hit, or a gradless one (``_gradless``). Not
-        in a block compiled inside an eager call (transformers' compiled decode step, FSDP2's
-        compiled layers): a count read there is a guard on its value, and each step recompiled."""
-        if not self.traced and torch.compiler.is_compiling():
+        """Count an adapted use of ``route``'s weight (where ``counts``): a hit, or a gradless one
+        (``_gradless``)."""
+        if not self.counts():
             return
         if self._gradless(route):
             route.gradless += 1

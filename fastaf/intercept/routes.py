@@ -195,13 +195,13 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
     resolved = []
     for i, (path, lora) in enumerate(adapter.items()):
         if again:
-            module, name, spec, kept, fields = last[4][i]
+            module, kept, fields = last[4][i]
             module = module()
-            weight = None if module is None else held_tensor(module, name, spec)
+            weight = None if module is None else held_tensor(module, fields["name"], fields["spec"])
             if weight is None or (id(weight), weight.shape, weight.dtype) != kept or weight.device != lora.A.device:
                 del _resolved[model]  # it no longer holds: from scratch
                 return resolve_routes(model, adapter, params, stacked=stacked, modules=modules)
-            route = _NEW_ROUTE(Route)  # the first resolution's fields, fresh counters (dataclass __init__: host time)
+            route = object.__new__(Route)  # the first resolution's fields, fresh counters (dataclass __init__: host time)
             route.__dict__.update(fields, module=module, weight=weight, lora=lora)
             routes[id(weight)] = route
             continue
@@ -231,7 +231,7 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
             # found the same ones, the LoRA the adapter's. Eager only: torch 2.11's dynamo cannot
             # trace a __dict__ read
             fields = {k: v for k, v in route.__dict__.items() if k not in ("module", "weight", "lora")}
-            resolved.append((weakref.ref(module), name, spec, (id(weight), weight.shape, weight.dtype), fields))
+            resolved.append((weakref.ref(module), (id(weight), weight.shape, weight.dtype), fields))
     made = list(routes.values())  # in the adapter's order
     if again:  # the siblings as linked the first time, by their places in that order
         for group in last[5]:
@@ -262,11 +262,9 @@ def resolve_routes(model: nn.Module, adapter: Adapter, params: Mapping[str, Tens
 
 
 
-_NEW_ROUTE = object.__new__
-
 # model -> (the adapter last resolved on it, stacked, the paths and modules walked then, per path
-# its (module, attribute, layout, the weight's id, shape and dtype, the Route's other fields as
-# made), the sibling groups by the routes' places in the adapter's order); the model, its modules and
+# its (module, the weight's id, shape and dtype, the Route's other fields as made: attribute and
+# layout among them), the sibling groups by the routes' places in the adapter's order); the model, its modules and
 # the adapter held weakly (nothing here keeps a model alive), the weights not at all
 # (``torch.utils.swap_tensors``, which ``Module.to`` may use, refuses a tensor with a weak reference)
 _resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -115,10 +115,7 @@ class Forwards:
         def run(*args: Any, **kwargs: Any) -> Any:
             if self.active is not None and not self.active():
                 return forward(*args, **kwargs)
-            if self.mode.traced or not torch.compiler.is_compiling():
-                # not in a block compiled inside an eager call (a user-compiled forward during an
-                # eager generate): a count read there is a guard on its value, and each decoding
-                # step recompiled (LoRAMode._count)
+            if self.mode.counts():  # not in a user-compiled forward during an eager generate
                 route.calls += 1
                 route.hits += 1
             if not torch.compiler.is_compiling():
